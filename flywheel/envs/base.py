@@ -1,0 +1,77 @@
+"""What an environment is: frozen tasks (data) apart from tools and a rubric (behaviour)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Task:
+    """One frozen problem: the prompt the agent sees and what the rubric checks against."""
+
+    task_id: str
+    env: str
+    prompt: list[dict]
+    answer: str  # JSON text the environment's rubric reads (verifier data)
+    slice: str
+    split: str = "train"
+
+
+@dataclass(frozen=True)
+class Score:
+    """A rubric's verdict: a reward in [0, 1], its parts, and whether the task counts as solved."""
+
+    reward: float
+    passed: bool
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+def prompt_hash(prompt: list[dict]) -> str:
+    """The stable content hash of a prompt: the key of held-out splits and contamination checks."""
+    canonical = json.dumps([{"role": m["role"], "content": m.get("content") or ""} for m in prompt],
+                           sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def split_of(key: str, heldout_fraction: float) -> str:
+    """Assign a split from a content hash, never from row order: the same content always lands the same way."""
+    bucket = int(hashlib.sha256(("split:" + key).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "heldout" if bucket < heldout_fraction else "train"
+
+
+class Environment(Protocol):
+    """Tasks + tools + rubric. The harness (flywheel.agent) runs episodes in it; nothing else does."""
+
+    name: str
+
+    def tools(self) -> list[dict]:
+        """The OpenAI function schemas the agent may call."""
+        ...
+
+    def generate_tasks(self, seed: int) -> Iterator[Task]:
+        """An endless, seeded stream of tasks (split left as 'train'; the caller assigns splits)."""
+        ...
+
+    def task_from_messages(self, messages: list[dict]) -> Task | None:
+        """The task behind a recorded conversation, if this environment can verify it; else None."""
+        ...
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        """Run one tool call; raise ToolError with a message the model will see."""
+        ...
+
+    def score(self, task: Task, messages: list[dict]) -> Score:
+        """The rubric: the RL reward and the eval metric are this one call."""
+        ...
+
+    def solve(self, messages: list[dict]) -> dict:
+        """The scripted oracle's next assistant message, read from the conversation alone as a model would."""
+        ...
+
+
+class ToolError(Exception):
+    """A tool refused or failed; its message goes back to the model as the tool result."""

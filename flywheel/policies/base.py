@@ -1,0 +1,36 @@
+"""What produces assistant turns: one small interface for oracle, HF, OpenAI-compatible and vLLM backends."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 means greedy
+    max_new_tokens: int = 64
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """One assistant turn: the OpenAI-format message, the raw text, and token data where the backend has it."""
+
+    message: dict  # {"role": "assistant", "content": str, "tool_calls": [...]} (tool_calls only if any)
+    text: str = ""
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    error: str | None = None  # e.g. malformed tool-call JSON; the harness shows it to the model
+
+
+class Policy(Protocol):
+    """Batched: one completion per conversation. n samples of a task are n copies of its conversation."""
+
+    name: str
+
+    def generate(self, conversations: Sequence[list[dict]], tools: list[dict],
+                 sampling: Sampling) -> list[Completion]:
+        ...
