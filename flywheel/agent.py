@@ -68,10 +68,10 @@ def run_episodes(env: Environment, policy: Policy, tasks: Sequence[Task], *, sam
             episode.turns = turn + 1
             episode.completions.append(completion)
             message = dict(completion.message)
-            calls = message.get("tool_calls") or []
-            if calls:  # ids unique within the conversation
-                for i, call in enumerate(calls):
-                    call["id"] = f"call_{turn}_{i}"
+            # ids unique within the conversation; copies, so the policy's own message is left as it was
+            calls = [{**call, "id": f"call_{turn}_{i}"} for i, call in enumerate(message.get("tool_calls") or [])]
+            if calls:
+                message["tool_calls"] = calls
             episode.messages.append(message)
             if completion.error:
                 episode.messages.append({"role": "user", "content": f"Error: {completion.error}"})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -24,6 +24,8 @@ class Completion:
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
     error: str | None = None  # e.g. malformed tool-call JSON; the harness shows it to the model
+    usage: dict = field(default_factory=dict)  # prompt_tokens / completion_tokens where the backend counts them
+    latency_s: float = 0.0
 
 
 class Policy(Protocol):

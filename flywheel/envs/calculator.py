@@ -1,0 +1,198 @@
+"""The calculator environment: integer arithmetic questions, a safe `calculator` tool, an exact-answer rubric."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import random
+import re
+from collections.abc import Iterator
+
+from flywheel.envs.base import Score, Task, ToolError, prompt_hash
+
+MAX_CHARS = 200
+MAX_EXPONENT = 64
+MAX_ABS = 1e18
+
+# The one definition of "an arithmetic expression in user text"; solve and task_from_messages both use it.
+EXPRESSION = re.compile(r"-?[(\d][\d\s()+*/%-]*[\d)]")
+NUMBER = re.compile(r"-?\d+")
+
+PHRASINGS = ["What is {}?", "Compute {}.", "Calculate {}", "What's {}?", "Work out {}.", "Evaluate {}.",
+             "How much is {}?", "{} = ?"]
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_ALLOWED = "use only numbers, + - * / // % ** and parentheses"
+
+
+def evaluate(expression: str) -> int | float:
+    """Evaluate arithmetic safely (an ast walk, never eval); anything else is a ToolError."""
+    if not isinstance(expression, str):
+        raise ToolError("'expression' must be a string")
+    if len(expression) > MAX_CHARS:
+        raise ToolError(f"expression is {len(expression)} characters long; the limit is {MAX_CHARS}")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, ValueError) as err:
+        raise ToolError(f"not an arithmetic expression ({getattr(err, 'msg', err)}); {_ALLOWED}") from None
+    return _evaluate(tree.body)
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    # type() not isinstance(): bool is an int subclass and True/False are not numbers here
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return _bounded(node.value)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _bounded(_UNARY[type(node.op)](_evaluate(node.operand)))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise ToolError(f"exponent {right} is too large; the limit is {MAX_EXPONENT}")
+        try:
+            return _bounded(_BINARY[type(node.op)](left, right))
+        except ZeroDivisionError:
+            raise ToolError("division by zero") from None
+        except OverflowError:
+            raise ToolError(f"result is too large; the limit is {MAX_ABS:g}") from None
+    if isinstance(node, ast.Constant):
+        raise ToolError(f"{node.value!r} is not a number; {_ALLOWED}")
+    raise ToolError(f"{ast.unparse(node)[:40]!r} is not allowed ({type(node).__name__}); {_ALLOWED}")
+
+
+def _bounded(value: object) -> int | float:
+    if type(value) not in (int, float):  # e.g. a complex number from (-8) ** 0.5
+        raise ToolError(f"result {value!r} is not a real number")
+    if not math.isfinite(value) or abs(value) > MAX_ABS:
+        raise ToolError(f"result is too large; the limit is {MAX_ABS:g}")
+    return value
+
+
+def format_number(value: float) -> str:
+    """Integers (and integral floats) without '.0', other floats by repr."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def find_expression(text: str) -> str | None:
+    """The longest run of arithmetic in the text that has an operator, or None."""
+    candidates = [m.strip() for m in EXPRESSION.findall(text) if re.search(r"[-+*/%]", m)]
+    return max(candidates, key=len) if candidates else None
+
+
+def slice_of(expression: str) -> str:
+    """The difficulty slice: 3+ operands 'mixed', else 'mul' with a product, else 'add'."""
+    if len(re.findall(r"\d+", expression)) >= 3:
+        return "mixed"
+    return "mul" if "*" in expression else "add"
+
+
+def _text(content: object) -> str:
+    if isinstance(content, list):  # OpenAI content parts
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _first_user_text(messages: list[dict]) -> str | None:
+    return next((_text(m.get("content")) for m in messages if m.get("role") == "user"), None)
+
+
+class CalculatorEnv:
+    """Arithmetic with 2-3 operands up to 99 that the agent should hand to the `calculator` tool."""
+
+    name = "calculator"
+
+    def tools(self) -> list[dict]:
+        """The one `calculator` function schema."""
+        return [{"type": "function", "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
+            "parameters": {"type": "object",
+                           "properties": {"expression": {"type": "string", "description": "e.g. 37 * 12 + 5"}},
+                           "required": ["expression"]}}}]
+
+    def generate_tasks(self, seed: int) -> Iterator[Task]:
+        """An endless seeded stream of questions, slices 'add', 'mul' and 'mixed' in equal shares."""
+        rng = random.Random(seed)
+        while True:
+            kind = rng.choice(["add", "mul", "mixed"])
+            a, b, c = (rng.randint(1, 99) for _ in range(3))
+            if kind == "add":
+                expression = f"{a} {rng.choice('+-')} {b}"
+            elif kind == "mul":
+                expression = f"{a} * {b}"
+            else:
+                op1, op2 = rng.choice("+-*"), rng.choice("+-*")
+                expression = rng.choice([f"{a} {op1} {b} {op2} {c}", f"({a} {op1} {b}) {op2} {c}",
+                                         f"{a} {op1} ({b} {op2} {c})"])
+            prompt = [{"role": "user", "content": rng.choice(PHRASINGS).format(expression)}]
+            yield self._task(prompt, expression, evaluate(expression))
+
+    def task_from_messages(self, messages: list[dict]) -> Task | None:
+        """The task behind a conversation: the first user message, if it holds an integer expression."""
+        text = _first_user_text(messages)
+        expression = find_expression(text) if text else None
+        if expression is None:
+            return None
+        try:
+            value = evaluate(expression)
+        except ToolError:
+            return None
+        if isinstance(value, float) and not value.is_integer():
+            return None
+        return self._task([{"role": "user", "content": text}], expression, value)
+
+    def _task(self, prompt: list[dict], expression: str, value: float) -> Task:
+        return Task(task_id=prompt_hash(prompt), env=self.name, prompt=prompt,
+                    answer=json.dumps({"expression": expression, "value": int(value)}),
+                    slice=slice_of(expression))
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        """Run the calculator; bad names, arguments and expressions are ToolErrors the model sees."""
+        if name != "calculator":
+            raise ToolError(f"unknown tool '{name}'; the only tool is 'calculator'")
+        expression = arguments.get("expression") if isinstance(arguments, dict) else None
+        if not isinstance(expression, str):
+            raise ToolError("calculator needs a string argument 'expression', e.g. {\"expression\": \"2 + 3\"}")
+        return format_number(evaluate(expression))
+
+    def score(self, task: Task, messages: list[dict]) -> Score:
+        """Reward 1 if the final answer's last number is the right value, else 0."""
+        value = json.loads(task.answer)["value"]
+        last = messages[-1] if messages else {}
+        answered = last.get("role") == "assistant" and not last.get("tool_calls")
+        # "1,234" is one number to a reader, so drop thousands separators before reading numbers
+        numbers = NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3})", "", _text(last.get("content")))) if answered else []
+        right = bool(numbers) and int(numbers[-1]) == value
+        used_tool = any(c.get("function", {}).get("name") == "calculator"
+                        for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or [])
+        results = [_text(m.get("content")) for m in messages if m.get("role") == "tool"]
+        valid = sum(not r.startswith("Error:") for r in results) / len(results) if results else 1.0
+        reward = 1.0 if right else 0.0
+        return Score(reward=reward, passed=reward == 1.0,
+                     breakdown={"answer": float(right), "used_tool": float(used_tool), "valid_tool_calls": valid})
+
+    def solve(self, messages: list[dict]) -> dict:
+        """Call the calculator on the question's expression, then state its result (or an own computation)."""
+        expression = find_expression(_first_user_text(messages) or "")
+        if expression is None:
+            return {"role": "assistant", "content": "I could not find an arithmetic expression in the question."}
+        results = [_text(m.get("content")) for m in messages if m.get("role") == "tool"]
+        if not results:
+            return {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_0", "type": "function",
+                 "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}]}
+        result = results[-1]
+        if result.startswith("Error:"):  # the tool failed (timeout, bad call): the oracle still knows the sum
+            try:
+                result = format_number(evaluate(expression))
+            except ToolError as err:
+                return {"role": "assistant", "content": f"I cannot compute that: {err}."}
+        return {"role": "assistant", "content": f"The answer is {result}."}
+
+
+ENVIRONMENT = CalculatorEnv

@@ -1,0 +1,92 @@
+"""The `hf` policy: transformers `generate` on a local checkpoint or a live model, batched, with logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from flywheel.policies.base import Completion, Sampling
+from flywheel.policies.toolcalls import parse_completion
+
+
+class HFPolicy:
+    """Assistant turns from a causal LM through its chat template; `.model` may be swapped for a live model."""
+
+    name = "hf"
+
+    def __init__(self, model_or_path, tokenizer=None, batch_size: int = 64, device: str = "cpu"):
+        if isinstance(model_or_path, (str, Path)):
+            from flywheel.train.checkpoint import load_student
+
+            model, loaded_tokenizer = load_student(model_or_path)
+            model_or_path = model.to(device)
+            tokenizer = tokenizer or loaded_tokenizer
+        if tokenizer is None:
+            raise ValueError("HFPolicy needs a tokenizer when given a model object (or pass a checkpoint path)")
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token: generation would never know where a turn ends")
+        self.model = model_or_path
+        self.tokenizer = tokenizer
+        self.tokenizer.padding_side = "left"  # new tokens are appended on the right of every row
+        self.batch_size = batch_size
+
+    def set_model(self, model) -> None:
+        """Generate with this model from now on (the RL learner's live weights)."""
+        self.model = model
+
+    def generate(self, conversations: Sequence[list[dict]], tools: list[dict],
+                 sampling: Sampling) -> list[Completion]:
+        """One completion per conversation, with the generated token ids and their sampling logprobs."""
+        import torch
+
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        completions: list[Completion] = []
+        try:
+            # fork_rng: a seeded call must not reset the caller's global random state
+            with torch.inference_mode(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                if sampling.seed is not None:
+                    torch.manual_seed(sampling.seed)
+                for start in range(0, len(conversations), self.batch_size):
+                    chunk = conversations[start:start + self.batch_size]
+                    completions.extend(self._generate_chunk(chunk, tools, sampling, device))
+        finally:
+            self.model.train(was_training)
+        return completions
+
+    def _generate_chunk(self, conversations: Sequence[list[dict]], tools: list[dict], sampling: Sampling,
+                        device) -> list[Completion]:
+        import torch
+
+        from flywheel.train.checkpoint import canonical_messages
+
+        tok = self.tokenizer
+        batch = tok.apply_chat_template([canonical_messages(c) for c in conversations], tools=tools or None,
+                                        add_generation_prompt=True, tokenize=True, return_dict=True,
+                                        padding=True, return_tensors="pt").to(device)
+        sample = sampling.temperature > 0
+        # Every sampling knob is explicit so that a checkpoint's generation_config (top_k 50, a repetition
+        # penalty) cannot change the distribution behind the logprobs the RL learner corrects against.
+        options = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0) \
+            if sample else dict(do_sample=False)
+        out = self.model.generate(
+            **batch, max_new_tokens=sampling.max_new_tokens, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+            repetition_penalty=1.0, output_scores=True, return_dict_in_generate=True, **options)
+        new_tokens = out.sequences[:, batch["input_ids"].shape[1]:]
+        # out.scores are the processed logits (temperature, top_p applied): the distribution sampled from.
+        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1).gather(1, new_tokens[:, i:i + 1]).squeeze(1)
+                                for i, s in enumerate(out.scores)], dim=1) if out.scores else \
+            torch.zeros_like(new_tokens, dtype=torch.float)
+        completions = []
+        for row, row_logprobs in zip(new_tokens.tolist(), logprobs.tolist(), strict=True):
+            ended = tok.eos_token_id in row
+            length = row.index(tok.eos_token_id) + 1 if ended else len(row)
+            ids = row[:length]
+            text = tok.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
+            completion = parse_completion(text)
+            completion.token_ids = ids
+            completion.logprobs = row_logprobs[:length]
+            completions.append(completion)
+        return completions
