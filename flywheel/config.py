@@ -116,15 +116,17 @@ class ScheduleConfig(Section):
 
 
 class PipelineConfig(Section):
-    environment: EnvironmentConfig = EnvironmentConfig()
-    student: StudentConfig = StudentConfig()
-    teacher: TeacherConfig = TeacherConfig()
-    collect: CollectConfig = CollectConfig()
-    synthesize: SynthesizeConfig = SynthesizeConfig()
-    sft: SFTConfig = SFTConfig()
-    rl: RLConfig = RLConfig()
-    evaluate: EvaluateConfig = EvaluateConfig()
-    gate: GateConfig = GateConfig()
+    # Every stage section is required (`{}` takes the defaults): dvc.yaml reads each one as params, and
+    # DVC refuses a params key that is missing from the file.
+    environment: EnvironmentConfig
+    student: StudentConfig
+    teacher: TeacherConfig
+    collect: CollectConfig
+    synthesize: SynthesizeConfig
+    sft: SFTConfig
+    rl: RLConfig
+    evaluate: EvaluateConfig
+    gate: GateConfig
     schedule: ScheduleConfig | None = None
 
     def section_hash(self, *names: str) -> str:
@@ -160,6 +162,8 @@ def load_pipelines(path: str | Path = "pipelines.yaml") -> dict[str, PipelineCon
             key = _where(e["loc"])
             if e["type"] == "extra_forbidden":
                 problems.append(f"{path}: unknown key '{key}' (misspelt?)")
+            elif e["type"] == "missing":
+                problems.append(f"{path}: missing key '{key}' (write `{{}}` to take the defaults)")
             else:
                 problems.append(f"{path}: {key}: {e['msg']} (got {e.get('input')!r})")
         raise ConfigError("\n".join(problems)) from None

@@ -1,0 +1,1 @@
+"""Prefect flows: retrain (the main job) chains the stages in tasks/."""

@@ -1,0 +1,87 @@
+"""The retrain flow: collect -> synthesize -> sft -> rl -> evaluate -> register, each stage cached by content."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import flow, runtime
+
+from flywheel import registry
+from flywheel.config import load_pipeline
+from flywheel.data import dvc
+from tasks.collect import collect
+from tasks.evaluate import evaluate
+from tasks.register import register
+from tasks.rl import rl
+from tasks.sft import sft
+from tasks.spec import ORDER, STAGES
+from tasks.synthesize import synthesize
+
+STAGE_TASKS = {"collect": collect, "synthesize": synthesize, "sft": sft, "rl": rl, "evaluate": evaluate,
+               "register": register}
+
+
+@flow(name="retrain", log_prints=False)
+def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push: bool = True) -> dict:
+    """Run every stage of the pipeline; unchanged stages come from Prefect's cache and are not run again."""
+    root_path = Path(root).resolve()
+    load_pipeline(pipeline, root_path / "pipelines.yaml")  # a bad config fails here, before any work
+    use_dvc = dvc.is_repo(root_path)
+    flow_run_id = str(runtime.flow_run.id or "")
+    parent = registry.start_run(root_path, pipeline, "retrain", tags={"prefect.flow_run_id": flow_run_id,
+                                                                       "flywheel.refresh": refresh})
+    results: dict[str, dict] = {}
+    ran: list[str] = []
+    try:
+        for number, name in enumerate(ORDER, start=1):
+            started = time.monotonic()
+            outputs_missing = not all(p.exists() for p in STAGES[name].out_paths(root_path, pipeline))
+            stage_task = STAGE_TASKS[name].with_options(refresh_cache=True) if refresh or outputs_missing \
+                else STAGE_TASKS[name]
+            kwargs = {"pipeline": pipeline, "root": str(root_path), "parent_run_id": parent.run_id}
+            if name == "register":
+                kwargs["lineage"] = {"prefect.flow_run_id": flow_run_id, "mlflow.pipeline_run_id": parent.run_id,
+                                     **_data_lineage(root_path, pipeline)}
+            print(f"[{number}/{len(ORDER)}] {name} ...", flush=True)
+            state = stage_task(**kwargs, return_state=True)
+            result = state.result()  # raises the stage's own error if it failed
+            cached = state.name == "Cached"
+            if use_dvc and (not cached or not dvc.lock_hashes(root_path, name, pipeline)):
+                dvc.commit(root_path, name, pipeline)
+            if not cached:
+                ran.append(name)
+            results[name] = result
+            took = time.monotonic() - started
+            parent.tags({f"stage.{name}": "cached" if cached else "ran", f"stage.{name}.run_id": result["run_id"]})
+            print(f"[{number}/{len(ORDER)}] {name} {'cached' if cached else 'done'} in {took:.1f}s", flush=True)
+        if use_dvc and push and ran:
+            dvc.push(root_path)
+    except BaseException:
+        parent.end(ok=False)
+        raise
+    summary = _summary(pipeline, results, ran)
+    parent.metrics({k: v for k, v in summary["scores"].items()})
+    parent.tags({"flywheel.gate": "passed" if summary["gate_passed"] else "failed",
+                 "flywheel.registered_version": summary["version"]})
+    parent.end(ok=True)
+    return summary
+
+
+def _data_lineage(root: Path, pipeline: str) -> dict:
+    """DVC md5 of every dataset and model the candidate came from, as dvc.lock records them."""
+    hashes = {}
+    for name in ORDER[:-1]:
+        hashes |= dvc.lock_hashes(root, name, pipeline)
+    return {f"flywheel.dvc.{path}": md5 for path, md5 in sorted(hashes.items()) if md5}
+
+
+def _summary(pipeline: str, results: dict, ran: list[str]) -> dict:
+    gate = results["evaluate"]["gate"]
+    registration = results["register"]["registration"]
+    current = registry.get_alias(pipeline, "champion")
+    return {"pipeline": pipeline, "scores": gate["scores"], "gate_passed": gate["passed"],
+            "gate_reasons": gate["reasons"], "version": registration["version"],
+            "aliases": sorted(registry.client().get_model_version(pipeline, registration["version"]).aliases),
+            "champion": current.version if current else None, "ran": ran,
+            "cached": [n for n in ORDER if n not in ran]}

@@ -1,0 +1,115 @@
+"""The data catalog: where each stage's tables and models live, validated reads and writes, content hashes."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import pandera.pandas as pa
+
+from flywheel.data import schemas
+
+# table name -> (the stage that writes it, its schema)
+TABLES: dict[str, tuple[str, type[schemas.Strict]]] = {
+    "traces": ("collect", schemas.Traces),
+    "quarantine": ("collect", schemas.Quarantine),
+    "tasks": ("collect", schemas.Tasks),
+    "synthetic": ("synthesize", schemas.Synthetic),
+    "rollouts": ("rl", schemas.Rollouts),
+    "eval": ("evaluate", schemas.Eval),
+}
+
+
+class DataError(ValueError):
+    """A table is missing or breaks its contract; the message names the file and the failing checks."""
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Every path of one pipeline under a project root; stages ask it, they never build paths by hand."""
+
+    root: Path
+    pipeline: str
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.root / "data" / self.pipeline / stage
+
+    def model_dir(self, name: str) -> Path:
+        return self.root / "models" / self.pipeline / name
+
+    def table_path(self, name: str) -> Path:
+        stage, _ = TABLES[name]
+        return self.stage_dir(stage) / f"{name}.parquet"
+
+    def write(self, name: str, frame: pd.DataFrame) -> Path:
+        """Validate and write a table; an invalid table is never written."""
+        _, schema = TABLES[name]
+        path = self.table_path(name)
+        frame = _validate(schema, frame, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        frame.to_parquet(tmp, index=False)
+        os.replace(tmp, path)  # readers never see half a file
+        return path
+
+    def read(self, name: str) -> pd.DataFrame:
+        """Read and validate a table written by an earlier stage."""
+        _, schema = TABLES[name]
+        path = self.table_path(name)
+        if not path.exists():
+            raise DataError(f"{path}: table '{name}' not found; run the stage '{TABLES[name][0]}' first")
+        return _validate(schema, pd.read_parquet(path), path)
+
+    def write_json(self, stage: str, name: str, payload: dict) -> Path:
+        path = self.stage_dir(stage) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+        return path
+
+    def read_json(self, stage: str, name: str) -> dict:
+        path = self.stage_dir(stage) / name
+        if not path.exists():
+            raise DataError(f"{path}: not found; run the stage '{stage}' first")
+        return json.loads(path.read_text())
+
+
+def _validate(schema: type[schemas.Strict], frame: pd.DataFrame, path: Path) -> pd.DataFrame:
+    try:
+        return schema.validate(frame, lazy=True)
+    except pa.errors.SchemaErrors as err:
+        cases = err.failure_cases[["column", "check", "index"]].head(10).to_string(index=False)
+        raise DataError(f"{path}: breaks the {schema.__name__} contract:\n{cases}") from None
+
+
+def expand(root: Path, patterns: list[str]) -> list[Path]:
+    """Files matching glob patterns relative to root, sorted so hashes do not depend on listing order."""
+    found: set[Path] = set()
+    for pattern in patterns:
+        full = pattern if os.path.isabs(pattern) else str(root / pattern)
+        found.update(Path(p) for p in glob.glob(full, recursive=True) if Path(p).is_file())
+    return sorted(found)
+
+
+def content_hash(paths: list[Path], root: Path) -> str:
+    """md5 over files' bytes and names (inside a folder: relative to it), in sorted order; missing paths count."""
+    digest = hashlib.md5()
+    for path in sorted(paths):
+        if not path.exists():
+            digest.update(f"missing:{_name(path, root)}".encode())
+            continue
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for file in files:
+            if "__pycache__" in file.parts:
+                continue
+            digest.update(str(file.relative_to(path) if path.is_dir() else _name(file, root)).encode())
+            digest.update(hashlib.md5(file.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def _name(path: Path, root: Path) -> str:
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)

@@ -1,0 +1,61 @@
+"""DVC as its command line runs it (in the project root): commit a stage as `dvc repro` would, status, push."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+# DVC holds one lock per repo and a second process fails after ~3 s: serialise our own calls, retry theirs.
+_LOCK = threading.Lock()
+
+
+class DvcError(RuntimeError):
+    """A DVC command failed; the message carries the command and DVC's own words."""
+
+
+def is_repo(root: Path) -> bool:
+    return (root / ".dvc").is_dir() and (root / "dvc.yaml").exists()
+
+
+def _dvc(root: Path, *args: str, attempts: int = 4) -> str:
+    # DVC resolves stage targets and run-cache paths against the working directory, so run it in the root.
+    command = [sys.executable, "-m", "dvc", *args]
+    with _LOCK:
+        for attempt in range(attempts):
+            done = subprocess.run(command, cwd=root, capture_output=True, text=True, check=False)
+            if done.returncode == 0:
+                return done.stdout
+            if "Unable to acquire lock" not in done.stderr or attempt == attempts - 1:
+                raise DvcError(f"`dvc {' '.join(args)}` in {root} failed: {done.stderr.strip() or done.stdout}")
+            time.sleep(1 + attempt)
+    raise AssertionError("unreachable")
+
+
+def commit(root: Path, stage: str, pipeline: str) -> None:
+    """Record `stage@pipeline`'s deps, params and outs in dvc.lock and the cache, exactly as `dvc repro` would."""
+    _dvc(root, "commit", "--force", f"{stage}@{pipeline}")
+
+
+def status(root: Path) -> dict:
+    """`dvc status`: an empty dict means data and pipelines are up to date."""
+    return json.loads(_dvc(root, "status", "--json") or "{}")
+
+
+def push(root: Path) -> None:
+    """Push committed outputs to the default remote."""
+    _dvc(root, "push")
+
+
+def lock_hashes(root: Path, stage: str, pipeline: str) -> dict[str, str]:
+    """path -> md5 of a stage's deps and outs as dvc.lock records them (lineage tags); empty if not locked."""
+    lock = root / "dvc.lock"
+    if not lock.exists():
+        return {}
+    entry = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).get(f"{stage}@{pipeline}", {})
+    return {item["path"]: item.get("md5", "") for kind in ("deps", "outs") for item in entry.get(kind, [])}

@@ -1,0 +1,50 @@
+"""The tasks table: the environment's seeded tasks plus the traces it can verify, split by content hash."""
+
+from __future__ import annotations
+
+import json
+
+from flywheel.config import EnvironmentConfig
+from flywheel.envs.base import Environment, Task, split_of
+
+
+def task_row(task: Task, origin: str) -> dict:
+    return {"task_id": task.task_id, "env": task.env, "prompt": json.dumps(task.prompt, ensure_ascii=False),
+            "answer": task.answer, "slice": task.slice, "split": task.split, "origin": origin}
+
+
+def row_task(row: dict) -> Task:
+    return Task(task_id=row["task_id"], env=row["env"], prompt=json.loads(row["prompt"]), answer=row["answer"],
+                slice=row["slice"], split=row["split"])
+
+
+def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float,
+                traces: list[dict]) -> list[dict]:
+    """Draw generated tasks until both splits are full, then add the traces' verifiable tasks; no duplicates."""
+    rows: dict[str, dict] = {}
+    wanted = {"train": cfg.train_tasks, "heldout": cfg.heldout_tasks}
+    have = {"train": 0, "heldout": 0}
+    draws, limit = 0, 50 * (cfg.train_tasks + cfg.heldout_tasks)
+    for task in env.generate_tasks(cfg.seed):
+        draws += 1
+        if draws > limit:
+            raise RuntimeError(f"environment '{env.name}' produced too few distinct tasks for "
+                               f"{wanted} (got {have} after {limit} draws)")
+        split = split_of(task.task_id, heldout_fraction)
+        if task.task_id in rows or have[split] >= wanted[split]:
+            if have == wanted:
+                break
+            continue
+        have[split] += 1
+        rows[task.task_id] = task_row(_with_split(task, split), "generated")
+        if have == wanted:
+            break
+    for trace in traces:
+        task = env.task_from_messages(json.loads(trace["messages"]))
+        if task is not None and task.task_id not in rows:
+            rows[task.task_id] = task_row(_with_split(task, split_of(task.task_id, heldout_fraction)), "trace")
+    return list(rows.values())
+
+
+def _with_split(task: Task, split: str) -> Task:
+    return Task(task.task_id, task.env, task.prompt, task.answer, task.slice, split)

@@ -1,0 +1,49 @@
+"""Run a checkpoint on held-out tasks through the one harness; check that no held-out prompt was trained on."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from flywheel.agent import run_episodes
+from flywheel.envs.base import Environment, Task, prompt_hash
+from flywheel.policies.base import Sampling
+
+
+class ContaminationError(RuntimeError):
+    """Held-out prompts appear in training data: the eval would flatter the model, so it refuses to run."""
+
+
+def evaluate_model(model_dir: Path, env: Environment, tasks: list[Task], label: str, *, max_turns: int,
+                   tool_timeout_s: float, batch_size: int) -> list[dict]:
+    """Greedy episodes of the checkpoint on every task: rows of the eval table."""
+    from flywheel.policies.hf import HFPolicy
+
+    policy = HFPolicy(model_dir, batch_size=batch_size)
+    episodes = run_episodes(env, policy, tasks, samples=1, sampling=Sampling(temperature=0.0),
+                            max_turns=max_turns, tool_timeout_s=tool_timeout_s)
+    return [{"model": label, "task_id": e.task.task_id, "sample": e.sample, "reward": e.reward,
+             "passed": e.passed, "slice": e.task.slice} for e in episodes]
+
+
+def conversation_prompt_hash(messages: list[dict]) -> str:
+    """The prompt hash of a recorded conversation: everything up to and including its first user turn."""
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    return prompt_hash(messages[: first_user + 1])
+
+
+def check_contamination(heldout: list[Task], training: dict[str, Iterable[str]]) -> None:
+    """Raise ContaminationError naming the held-out ids whose prompt hash appears in any training set."""
+    by_hash = {prompt_hash(t.prompt): t.task_id for t in heldout}
+    hits = []
+    for name, hashes in training.items():
+        found = sorted({by_hash[h] for h in hashes if h in by_hash})
+        if found:
+            hits.append(f"{name}: {len(found)} held-out task(s), e.g. {', '.join(found[:5])}")
+    if hits:
+        raise ContaminationError("held-out prompts found in training data; refusing to evaluate: " + "; ".join(hits))
+
+
+def synthetic_prompt_hashes(messages_json: Iterable[str]) -> list[str]:
+    return [conversation_prompt_hash(json.loads(m)) for m in messages_json]

@@ -1,0 +1,173 @@
+"""MLflow: a parent run per pipeline run, a nested run per stage, model versions, aliases and lineage tags."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlflow import MlflowClient
+from mlflow.entities import RunStatus
+from mlflow.exceptions import MlflowException
+
+from flywheel.settings import state_dir
+
+
+def client() -> MlflowClient:
+    return MlflowClient(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"))
+
+
+def experiment_id(root: Path, pipeline: str) -> str:
+    """The experiment named after the pipeline; artifacts under .flywheel/ unless a server decides."""
+    c = client()
+    found = c.get_experiment_by_name(pipeline)
+    if found:
+        return found.experiment_id
+    location = None
+    if os.environ.get("MLFLOW_TRACKING_URI", "").startswith("sqlite:"):
+        location = (state_dir(root) / "mlartifacts").as_uri()
+    try:
+        return c.create_experiment(pipeline, artifact_location=location)
+    except MlflowException:  # created by a concurrent run in the meantime
+        return c.get_experiment_by_name(pipeline).experiment_id
+
+
+def git_commit(root: Path) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+@dataclass
+class Run:
+    """One MLflow run used through an explicit client, so concurrent stages never share global state."""
+
+    run_id: str
+
+    def params(self, values: dict) -> None:
+        flat = _flatten(values)
+        c = client()
+        for key, value in flat.items():
+            c.log_param(self.run_id, key, str(value)[:6000])
+
+    def metrics(self, values: dict, step: int | None = None) -> None:
+        c = client()
+        stamp = int(time.time() * 1000)
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+                continue
+            c.log_metric(self.run_id, key, float(value), timestamp=stamp, step=step or 0)
+
+    def tags(self, values: dict) -> None:
+        c = client()
+        for key, value in values.items():
+            c.set_tag(self.run_id, key, str(value))
+
+    def artifact(self, path: Path, folder: str | None = None) -> None:
+        if path.is_dir():
+            client().log_artifacts(self.run_id, str(path), folder)
+        else:
+            client().log_artifact(self.run_id, str(path), folder)
+
+    def artifact_uri(self, folder: str) -> str:
+        return client().get_run(self.run_id).info.artifact_uri.rstrip("/") + "/" + folder
+
+    def end(self, ok: bool = True) -> None:
+        client().set_terminated(self.run_id, RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED))
+
+
+def start_run(root: Path, pipeline: str, name: str, parent: str | None = None, tags: dict | None = None) -> Run:
+    """A new run in the pipeline's experiment, nested under `parent` when given."""
+    all_tags = {"flywheel.pipeline": pipeline, "flywheel.stage": name, "git.commit": git_commit(root)}
+    if parent:
+        all_tags["mlflow.parentRunId"] = parent
+    all_tags.update({k: str(v) for k, v in (tags or {}).items()})
+    info = client().create_run(experiment_id(root, pipeline), run_name=name, tags=all_tags).info
+    return Run(info.run_id)
+
+
+@contextmanager
+def stage_run(root: Path, pipeline: str, stage: str, parent: str | None, params: dict,
+              tags: dict | None = None) -> Iterator[Run]:
+    """A nested run for one stage: params logged up front, marked FAILED if the stage raises."""
+    run = start_run(root, pipeline, stage, parent, tags)
+    run.params(params)
+    try:
+        yield run
+    except BaseException:
+        run.end(ok=False)
+        raise
+    run.end(ok=True)
+
+
+def _flatten(values: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+# ---- the registry -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Version:
+    name: str
+    version: str
+    model_hash: str
+    source: str
+    aliases: tuple[str, ...]
+
+
+def _version(mv) -> Version:
+    return Version(mv.name, str(mv.version), mv.tags.get("flywheel.model_hash", ""), mv.source,
+                   tuple(mv.aliases or ()))
+
+
+def get_alias(name: str, alias: str) -> Version | None:
+    """The version behind an alias, or None when the model or the alias does not exist yet."""
+    try:
+        return _version(client().get_model_version_by_alias(name, alias))
+    except MlflowException:
+        return None
+
+
+def download(version: Version, dst: Path | None = None) -> Path:
+    """Fetch a version's checkpoint folder; loads with from_pretrained like any other."""
+    import mlflow.artifacts
+
+    dst = dst or Path(tempfile.mkdtemp(prefix=f"{version.name}-v{version.version}-"))
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(dst)))
+
+
+def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
+             aliases: list[str]) -> Version:
+    """Register the checkpoint as a new version, or return the one already holding this model_hash (idempotent)."""
+    c = client()
+    try:
+        c.create_registered_model(name, description=f"Student models of the '{name}' pipeline")
+    except MlflowException:
+        pass  # it exists
+    existing = c.search_model_versions(f"name = '{name}' and tags.`flywheel.model_hash` = '{model_hash}'")
+    if existing:
+        mv = existing[0]
+    else:
+        run.artifact(model_dir, "model")
+        mv = c.create_model_version(name, source=run.artifact_uri("model"), run_id=run.run_id,
+                                    tags={"flywheel.model_hash": model_hash, **{k: str(v) for k, v in tags.items()}})
+    for alias in aliases:
+        previous = get_alias(name, alias)
+        if alias == "champion" and previous and previous.version != str(mv.version):
+            c.set_model_version_tag(name, str(mv.version), "flywheel.previous_champion", previous.version)
+        c.set_registered_model_alias(name, alias, str(mv.version))
+    return _version(c.get_model_version(name, str(mv.version)))

@@ -1,0 +1,32 @@
+"""Where the embedded defaults keep their state (.flywheel/ under the project root), set before anything starts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def state_dir(root: Path) -> Path:
+    return root.resolve() / ".flywheel"
+
+
+def configure(root: Path) -> None:
+    """Point Prefect, MLflow and boto at the project's embedded defaults unless the environment says otherwise."""
+    state = state_dir(root)
+    state.mkdir(parents=True, exist_ok=True)
+    defaults = {
+        "PREFECT_HOME": str(state / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # its heartbeat logs "database is locked" otherwise
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",  # 20 s is too short on a busy 2-core box
+        "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{state / 'mlflow.db'}",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",  # S3-compatible stores reject the new checksums
+        "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required",
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)

@@ -1,0 +1,79 @@
+"""Stage evaluate: held-out tasks, contamination check first, candidate against the champion, the gate decision."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+from prefect import task
+
+from flywheel import registry
+from flywheel.config import load_pipeline
+from flywheel.data.catalog import Catalog, content_hash
+from flywheel.data.tasksets import row_task
+from flywheel.envs import get_environment
+from flywheel.envs.base import prompt_hash
+from flywheel.evaluate.gate import decide
+from flywheel.evaluate.runner import check_contamination, evaluate_model, synthetic_prompt_hashes
+from flywheel.registry import stage_run
+from tasks.caching import by_content
+from tasks.reports import publish_eval_report
+
+
+def champion_key(pipeline: str, root: Path) -> str:
+    """The champion the candidate is judged against; a champion that IS the candidate counts as none."""
+    champion = registry.get_alias(pipeline, "champion")
+    candidate = content_hash([Catalog(root, pipeline).model_dir("rl")], root)
+    if champion is None or champion.model_hash == candidate:
+        return "no-champion"
+    return f"champion-{champion.version}-{champion.model_hash}"
+
+
+@task(name="evaluate", cache_key_fn=by_content("evaluate", extra=champion_key), persist_result=True)
+def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dict:
+    """Score base, SFT and RL students (and the champion) on the held-out tasks; decide the gate."""
+    root_path = Path(root).resolve()
+    cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
+    catalog = Catalog(root_path, pipeline)
+    env = get_environment(cfg.environment.name)
+    params = cfg.model_dump(include={"evaluate", "gate"})
+    with stage_run(root_path, pipeline, "evaluate", parent_run_id, params) as run:
+        tasks = catalog.read("tasks")
+        heldout = [row_task(r) for r in tasks.to_dict("records") if r["split"] == "heldout"]
+        prompt_of = {r["task_id"]: prompt_hash(json.loads(r["prompt"])) for r in tasks.to_dict("records")}
+        synthetic = catalog.read("synthetic")
+        check_contamination(heldout, {
+            "sft data (synthetic)": synthetic_prompt_hashes(synthetic.loc[synthetic["accepted"], "messages"]),
+            "rl rollouts": [prompt_of.get(t, t) for t in catalog.read("rollouts")["task_id"]],
+        })
+
+        candidate_hash = content_hash([catalog.model_dir("rl")], root_path)
+        models = {"base": catalog.model_dir("base"), "sft": catalog.model_dir("sft"), "rl": catalog.model_dir("rl")}
+        champion = registry.get_alias(pipeline, "champion")
+        if champion is not None and champion.model_hash != candidate_hash:
+            models["champion"] = registry.download(champion)
+        if (models["base"] / "SOURCE").exists():  # a named checkpoint, not one built here
+            models["base"] = Path((models["base"] / "SOURCE").read_text().strip())
+        rows = []
+        for label, path in models.items():
+            rows += evaluate_model(path, env, heldout, label, max_turns=cfg.environment.max_turns,
+                                   tool_timeout_s=cfg.environment.tool_timeout_s,
+                                   batch_size=cfg.evaluate.batch_size)
+        table = pd.DataFrame(rows)
+        catalog.write("eval", table)
+
+        by_model = {label: table[table["model"] == label] for label in models}
+        decision = decide(by_model["rl"], by_model.get("champion"), cfg.gate)
+        scores = {f"score_{label}": float(frame["reward"].mean()) for label, frame in by_model.items()}
+        report = {"passed": decision.passed, "reasons": decision.reasons, "numbers": json.loads(decision.to_json())["numbers"],
+                  "scores": scores, "candidate_hash": candidate_hash,
+                  "champion_version": champion.version if "champion" in models else None}
+        gate_path = catalog.write_json("evaluate", "gate.json", report)
+        run.metrics(scores | {"gate_passed": float(decision.passed)})
+        run.tags({"flywheel.gate": "passed" if decision.passed else "failed",
+                  "flywheel.out.evaluate": content_hash([catalog.stage_dir("evaluate")], root_path)})
+        run.artifact(gate_path)
+        publish_eval_report(pipeline, report, table)
+    return {"stage": "evaluate", "run_id": run.run_id, "metrics": scores, "gate": report,
+            "outputs": {"evaluate": content_hash([catalog.stage_dir("evaluate")], root_path)}}

@@ -1,0 +1,44 @@
+"""Stage register: the candidate becomes a version of the registered model; `champion` moves only on a pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+
+from flywheel import registry
+from flywheel.config import load_pipeline
+from flywheel.data import dvc
+from flywheel.data.catalog import Catalog, content_hash
+from flywheel.registry import stage_run
+from tasks.caching import by_content
+
+
+@task(name="register", cache_key_fn=by_content("register"), persist_result=True, retries=2, retry_delay_seconds=2)
+def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
+             lineage: dict | None = None) -> dict:
+    """Register the RL checkpoint (idempotent on its content hash), alias it, tag its lineage."""
+    root_path = Path(root).resolve()
+    cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
+    catalog = Catalog(root_path, pipeline)
+    gate = catalog.read_json("evaluate", "gate.json")
+    with stage_run(root_path, pipeline, "register", parent_run_id, {"gate_passed": gate["passed"]}) as run:
+        model_dir = catalog.model_dir("rl")
+        model_hash = content_hash([model_dir], root_path)
+        if model_hash != gate["candidate_hash"]:
+            raise RuntimeError(f"{model_dir} changed since it was evaluated (hash {model_hash}, evaluated "
+                               f"{gate['candidate_hash']}); rerun the evaluate stage")
+        tags = {"flywheel.gate": "passed" if gate["passed"] else "failed",
+                "flywheel.config_hash": cfg.section_hash(*cfg.model_dump().keys()),
+                "git.commit": registry.git_commit(root_path),
+                **{f"flywheel.score.{k}": round(v, 4) for k, v in gate["scores"].items()},
+                **{f"flywheel.data.{k}": v for k, v in dvc.lock_hashes(root_path, "rl", pipeline).items()},
+                **(lineage or {})}
+        aliases = ["challenger"] + (["champion"] if gate["passed"] else [])
+        version = registry.register(run, pipeline, model_dir, model_hash, tags, aliases)
+        result = {"version": version.version, "aliases": list(version.aliases), "model_hash": model_hash,
+                  "gate_passed": gate["passed"]}
+        catalog.write_json("register", "registration.json", result)
+        run.tags({"flywheel.registered_version": version.version})
+    return {"stage": "register", "run_id": run.run_id, "metrics": {}, "registration": result,
+            "outputs": {"register": content_hash([catalog.stage_dir("register")], root_path)}}

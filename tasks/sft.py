@@ -1,0 +1,50 @@
+"""Stage sft: distil the accepted teacher episodes into the student, loss on assistant tokens only."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from prefect import task
+
+from flywheel.config import load_pipeline
+from flywheel.data.catalog import Catalog, content_hash
+from flywheel.registry import stage_run
+from flywheel.train.sft import train_sft
+from flywheel.train.tiny import build_tiny_student, render_conversation
+from tasks.caching import by_content
+
+
+@task(name="sft", cache_key_fn=by_content("sft"), persist_result=True)
+def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dict:
+    """Build (tiny) or locate the base student, then SFT it on the accepted synthetic conversations."""
+    root_path = Path(root).resolve()
+    cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
+    catalog = Catalog(root_path, pipeline)
+    params = cfg.model_dump(include={"student", "sft"})
+    with stage_run(root_path, pipeline, "sft", parent_run_id, params) as run:
+        synthetic = catalog.read("synthetic")
+        accepted = synthetic[synthetic["accepted"]]
+        if accepted.empty:
+            raise ValueError(f"{catalog.table_path('synthetic')}: no accepted samples to train on")
+        rows = [{"messages": json.loads(m), "tools": json.loads(t)}
+                for m, t in zip(accepted["messages"], accepted["tools"], strict=True)]
+        base_dir = catalog.model_dir("base")
+        if base_dir.exists():
+            shutil.rmtree(base_dir)
+        if cfg.student.model == "tiny":
+            # the tokenizer learns from training conversations only, never from held-out prompts
+            build_tiny_student([render_conversation(r["messages"], r["tools"]) for r in rows],
+                               cfg.student.tiny, base_dir)
+        else:
+            base_dir.mkdir(parents=True)
+            (base_dir / "SOURCE").write_text(cfg.student.model + "\n")
+        base = base_dir if cfg.student.model == "tiny" else Path(cfg.student.model)
+        run.metrics({"train_conversations": len(rows)})
+        result = train_sft(base, rows, catalog.model_dir("sft"), cfg.sft,
+                           on_log=lambda step, values: run.metrics(values, step=step))
+        run.metrics({f"final_{k}": v for k, v in result.items()})
+        outputs = {name: content_hash([catalog.model_dir(name)], root_path) for name in ("base", "sft")}
+        run.tags({f"flywheel.out.{k}": v for k, v in outputs.items()})
+    return {"stage": "sft", "run_id": run.run_id, "metrics": result, "outputs": outputs}

@@ -1,0 +1,64 @@
+"""What each stage reads, which config sections and code it depends on, what it writes: cache keys and checks."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import flywheel
+from flywheel.config import PipelineConfig, load_pipeline
+from flywheel.data.catalog import content_hash, expand
+
+PACKAGE_ROOT = Path(flywheel.__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    deps: tuple[str, ...]  # paths under the project root; "{p}" is the pipeline
+    config: tuple[str, ...]  # sections of the pipeline's config
+    code: tuple[str, ...]  # source paths under the package root
+    outs: tuple[str, ...]
+
+    def dep_paths(self, root: Path, pipeline: str, cfg: PipelineConfig) -> list[Path]:
+        paths = [root / d.format(p=pipeline) for d in self.deps]
+        if self.name == "collect":
+            paths += expand(root, cfg.collect.sources)
+        return paths
+
+    def out_paths(self, root: Path, pipeline: str) -> list[Path]:
+        return [root / o.format(p=pipeline) for o in self.outs]
+
+
+_EPISODES = ("flywheel/agent.py", "flywheel/envs", "flywheel/policies")
+STAGES: dict[str, StageSpec] = {s.name: s for s in [
+    StageSpec("collect", (), ("environment", "collect"),
+              ("tasks/collect.py", "flywheel/data", "flywheel/envs"), ("data/{p}/collect",)),
+    StageSpec("synthesize", ("data/{p}/collect",), ("environment", "teacher", "synthesize"),
+              ("tasks/synthesize.py", "flywheel/data", *_EPISODES), ("data/{p}/synthesize",)),
+    StageSpec("sft", ("data/{p}/synthesize",), ("student", "sft"),
+              ("tasks/sft.py", "flywheel/data", "flywheel/train"), ("models/{p}/base", "models/{p}/sft")),
+    StageSpec("rl", ("data/{p}/collect", "models/{p}/sft"), ("environment", "rl"),
+              ("tasks/rl.py", "flywheel/data", "flywheel/train", *_EPISODES), ("models/{p}/rl", "data/{p}/rl")),
+    StageSpec("evaluate", ("data/{p}/collect", "data/{p}/synthesize", "data/{p}/rl", "models/{p}/base",
+                           "models/{p}/sft", "models/{p}/rl"), ("environment", "evaluate", "gate"),
+              ("tasks/evaluate.py", "tasks/reports.py", "flywheel/data", "flywheel/evaluate", "flywheel/train",
+               *_EPISODES), ("data/{p}/evaluate",)),
+    StageSpec("register", ("models/{p}/rl", "data/{p}/evaluate"), (),
+              ("tasks/register.py", "flywheel/registry.py"), ("data/{p}/register",)),
+]}
+ORDER = list(STAGES)
+
+
+def code_hash(spec: StageSpec) -> str:
+    return content_hash([PACKAGE_ROOT / c for c in spec.code], PACKAGE_ROOT)
+
+
+def input_key(stage: str, pipeline: str, root: Path) -> str:
+    """The content of a stage's inputs, config sections and code: equal keys mean equal work."""
+    spec = STAGES[stage]
+    cfg = load_pipeline(pipeline, root / "pipelines.yaml")
+    parts = [stage, pipeline, content_hash(spec.dep_paths(root, pipeline, cfg), root),
+             cfg.section_hash(*spec.config), code_hash(spec)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()

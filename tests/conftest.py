@@ -1,0 +1,97 @@
+"""Shared fixtures that start real components: Prefect's test harness, MLflow on SQLite, a DVC project in git."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Before anything imports Prefect or MLflow: keep their state out of the user's home and out of the repo.
+_STATE = Path(tempfile.mkdtemp(prefix="flywheel-tests-"))
+os.environ["PREFECT_HOME"] = str(_STATE / "prefect")
+os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_STATE / "prefect-results")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
+os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_STATE / 'mlflow.db'}"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+# A pipeline small enough for tests: the same stages and code as the demo, fewer tasks and steps.
+SMALL_PIPELINE = """
+pipelines:
+  small:
+    environment: {name: calculator, train_tasks: 600, heldout_tasks: 60, seed: 0, max_turns: 4}
+    student:
+      model: tiny
+      tiny: {hidden_size: 64, layers: 2, heads: 4, vocab_size: 400, seed: 0}
+    teacher: {policy: oracle}
+    collect: {sources: ["examples/traces/*.jsonl"], heldout_fraction: 0.1, max_bad_fraction: 0.2}
+    synthesize: {samples_per_task: 1}
+    sft: {steps: 60, batch_size: 16, lr: 3.0e-3, warmup_steps: 5, max_length: 128, seed: 0}
+    rl: {steps: 2, tasks_per_step: 4, group_size: 2, temperature: 1.0, lr: 1.0e-5, seed: 0}
+    evaluate: {}
+    gate: {min_score: 0.0, mode: non_inferior, margin: 0.5, max_slice_regression: 1.0}
+"""
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A real temporary Prefect server (the test harness) for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch) -> str:
+    """A fresh MLflow tracking store on SQLite for one test."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+def _run(cmd: list[str], cwd: Path) -> None:
+    subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def project(tmp_path, mlflow_store) -> Path:
+    """A project checkout in a temporary git repo with DVC (local remote) and the small pipeline."""
+    root = tmp_path / "project"
+    root.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for folder in ("flywheel", "tasks", "flows", "examples"):
+        shutil.copytree(REPO / folder, root / folder, ignore=ignore)
+    shutil.copy(REPO / "dvc.yaml", root / "dvc.yaml")
+    shutil.copy(REPO / ".dvcignore", root / ".dvcignore")
+    (root / "pipelines.yaml").write_text(SMALL_PIPELINE)
+    (root / ".gitignore").write_text("/data/\n/models/\n/.flywheel/\n")
+    _run(["git", "init", "-q", "-b", "main"], root)
+    _run([sys.executable, "-m", "dvc", "init", "-q"], root)
+    _run([sys.executable, "-m", "dvc", "remote", "add", "-d", "local", str(tmp_path / "dvc-remote")], root)
+    _run(["git", "add", "-A"], root)
+    _run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "project"], root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_student(tmp_path_factory) -> Path:
+    """A tiny random student (tokenizer trained on 300 oracle calculator conversations), built once."""
+    from flywheel.config import TinyModelConfig
+    from flywheel.envs.calculator import CalculatorEnv
+    from flywheel.train.tiny import build_tiny_student, environment_corpus
+
+    corpus = environment_corpus(CalculatorEnv(), n=300, seed=0)
+    cfg = TinyModelConfig(hidden_size=32, layers=1, heads=2, vocab_size=400, seed=0)
+    return build_tiny_student(corpus, cfg, tmp_path_factory.mktemp("tiny-student"))

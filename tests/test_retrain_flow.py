@@ -1,0 +1,66 @@
+"""The whole loop under Prefect, MLflow and DVC: first run, fully cached rerun, a parameter change."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tasks.spec import ORDER
+
+
+def _set(root, path: str, value) -> None:
+    config = yaml.safe_load((root / "pipelines.yaml").read_text())
+    node = config
+    *parents, leaf = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    (root / "pipelines.yaml").write_text(yaml.safe_dump(config))
+
+
+@pytest.mark.slow
+def test_retrain_runs_caches_and_reruns_only_what_changed(project, prefect_server):
+    from mlflow import MlflowClient
+
+    from flows.retrain import retrain
+    from flywheel import registry
+    from flywheel.data import dvc
+    from flywheel.data.catalog import Catalog
+
+    first = retrain(pipeline="small", root=str(project))
+    assert first["ran"] == ORDER
+    assert first["gate_passed"] and first["version"] == "1"
+    assert "champion" in first["aliases"] and "challenger" in first["aliases"]
+    assert set(first["scores"]) == {"score_base", "score_sft", "score_rl"}
+    assert dvc.status(project) == {}, "dvc status must be clean after a Prefect run"
+
+    catalog = Catalog(project, "small")
+    for table in ("traces", "quarantine", "tasks", "synthetic", "rollouts", "eval"):
+        assert len(catalog.read(table)) > 0, table
+    heldout = catalog.read("tasks").query("split == 'heldout'")
+    assert set(catalog.read("eval").query("model == 'rl'")["task_id"]) == set(heldout["task_id"])
+
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name("small")
+    runs = client.search_runs([experiment.experiment_id])
+    parent = next(r for r in runs if r.info.run_name == "retrain")
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert set(children) == set(ORDER)
+    assert client.get_metric_history(children["sft"].info.run_id, "loss"), "SFT logs its loss per step"
+    version = client.get_model_version("small", "1")
+    assert version.tags["flywheel.gate"] == "passed"
+    assert any(k.startswith("flywheel.dvc.data/small/synthesize") for k in version.tags)
+
+    second = retrain(pipeline="small", root=str(project))
+    assert second["ran"] == [] and second["version"] == "1"
+
+    _set(project, "pipelines.small.rl.lr", 2.0e-5)
+    third = retrain(pipeline="small", root=str(project))
+    assert third["ran"] == ["rl", "evaluate", "register"]
+    assert third["version"] == "2"
+    assert registry.get_alias("small", "challenger").version == "2"
+    gate = json.loads((project / "data/small/evaluate/gate.json").read_text())
+    assert gate["champion_version"] == "1", "the new candidate is judged against the champion"
+    assert dvc.status(project) == {}
