@@ -1,0 +1,101 @@
+"""pipelines.yaml validation: every bad key or value is an error naming the file and the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flywheel.config import ConfigError, load_pipeline, load_pipelines
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _write(tmp_path: Path, data) -> Path:
+    path = tmp_path / "pipelines.yaml"
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def _demo() -> dict:
+    return yaml.safe_load((REPO / "pipelines.yaml").read_text())
+
+
+def test_the_shipped_file_is_valid():
+    pipelines = load_pipelines(REPO / "pipelines.yaml")
+    assert pipelines["demo"].student.model == "tiny"
+    assert pipelines["demo"].schedule.cron
+
+
+def test_misspelt_key_names_the_file_and_the_key(tmp_path):
+    data = _demo()
+    data["pipelines"]["demo"]["sft"]["learning_rate"] = 0.1
+    with pytest.raises(ConfigError) as err:
+        load_pipelines(_write(tmp_path, data))
+    assert "pipelines.yaml" in str(err.value)
+    assert "unknown key 'pipelines.demo.sft.learning_rate'" in str(err.value)
+
+
+def test_bad_value_names_the_key_and_the_value(tmp_path):
+    data = _demo()
+    data["pipelines"]["demo"]["rl"]["group_size"] = 1
+    data["pipelines"]["demo"]["sft"]["lr"] = "fast"
+    with pytest.raises(ConfigError) as err:
+        load_pipelines(_write(tmp_path, data))
+    message = str(err.value)
+    assert "pipelines.demo.rl.group_size" in message and "(got 1)" in message
+    assert "pipelines.demo.sft.lr" in message and "'fast'" in message
+
+
+def test_missing_section_says_how_to_take_the_defaults(tmp_path):
+    data = _demo()
+    del data["pipelines"]["demo"]["evaluate"]
+    with pytest.raises(ConfigError, match=r"missing key 'pipelines.demo.evaluate' \(write `\{\}`"):
+        load_pipelines(_write(tmp_path, data))
+
+
+def test_cross_field_rule_is_reported(tmp_path):
+    data = _demo()
+    data["pipelines"]["demo"]["student"]["tiny"]["heads"] = 3
+    with pytest.raises(ConfigError, match="not divisible by heads 3"):
+        load_pipelines(_write(tmp_path, data))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("pipelines: [unclosed", "not valid YAML"),
+    ("just_a_string", "top-level 'pipelines:' mapping"),
+    ("other: {}", "top-level 'pipelines:' mapping"),
+])
+def test_unreadable_files(tmp_path, text, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_pipelines(_write(tmp_path, text))
+
+
+def test_missing_file_and_unknown_pipeline(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_pipelines(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"no pipeline named 'prod' \(have: demo\)"):
+        load_pipeline("prod", _write(tmp_path, _demo()))
+
+
+def test_section_hash_changes_only_with_its_sections(tmp_path):
+    base = load_pipeline("demo", REPO / "pipelines.yaml")
+    data = _demo()
+    data["pipelines"]["demo"]["rl"]["lr"] = 1e-3
+    changed = load_pipeline("demo", _write(tmp_path, data))
+    assert base.section_hash("sft") == changed.section_hash("sft")
+    assert base.section_hash("rl") != changed.section_hash("rl")
+
+
+def test_cli_check_prints_the_errors(tmp_path):
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    data = _demo()
+    data["pipelines"]["demo"]["gate"]["min_scor"] = 0.5
+    _write(tmp_path, data)
+    result = CliRunner().invoke(app, ["check", "--root", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "unknown key 'pipelines.demo.gate.min_scor'" in result.output

@@ -1,0 +1,59 @@
+"""MLflow on SQLite: nested stage runs, idempotent registration, aliases and their history."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from flywheel import registry
+
+
+def _model(tmp_path: Path, content: str) -> Path:
+    folder = tmp_path / f"model-{content}"
+    folder.mkdir()
+    (folder / "config.json").write_text(f'{{"id": "{content}"}}')
+    return folder
+
+
+def test_stage_runs_nest_under_the_pipeline_run(tmp_path, mlflow_store):
+    parent = registry.start_run(tmp_path, "p", "retrain")
+    with registry.stage_run(tmp_path, "p", "sft", parent.run_id, {"sft": {"lr": 0.1}}) as run:
+        run.metrics({"loss": 1.0}, step=1)
+        run.metrics({"loss": 0.5, "ignored": float("nan")}, step=2)
+    stored = MlflowClient().get_run(run.run_id)
+    assert stored.data.tags["mlflow.parentRunId"] == parent.run_id
+    assert stored.data.params["sft.lr"] == "0.1"
+    assert [m.value for m in MlflowClient().get_metric_history(run.run_id, "loss")] == [1.0, 0.5]
+    assert stored.info.status == "FINISHED"
+
+
+def test_a_failing_stage_marks_its_run_failed(tmp_path, mlflow_store):
+    try:
+        with registry.stage_run(tmp_path, "p", "rl", None, {}) as run:
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    assert MlflowClient().get_run(run.run_id).info.status == "FAILED"
+
+
+def test_registration_is_idempotent_and_aliases_move(tmp_path, mlflow_store):
+    run = registry.start_run(tmp_path, "p", "register")
+    first = registry.register(run, "p", _model(tmp_path, "a"), "hash-a", {"flywheel.gate": "passed"},
+                              ["challenger", "champion"])
+    again = registry.register(run, "p", _model(tmp_path, "a2"), "hash-a", {}, ["challenger", "champion"])
+    assert first.version == again.version == "1", "a retried registration makes no second version"
+    second = registry.register(run, "p", _model(tmp_path, "b"), "hash-b", {}, ["challenger"])
+    assert second.version == "2"
+    assert registry.get_alias("p", "champion").version == "1"
+    assert registry.get_alias("p", "challenger").version == "2"
+    third = registry.register(run, "p", _model(tmp_path, "c"), "hash-c", {}, ["challenger", "champion"])
+    assert registry.get_alias("p", "champion").version == third.version == "3"
+    tags = MlflowClient().get_model_version("p", "3").tags
+    assert tags["flywheel.previous_champion"] == "1" and tags["flywheel.model_hash"] == "hash-c"
+    downloaded = registry.download(registry.get_alias("p", "champion"), tmp_path / "dl")
+    assert (downloaded / "config.json").read_text() == '{"id": "c"}'
+
+
+def test_no_model_no_alias(mlflow_store):
+    assert registry.get_alias("nothing-here", "champion") is None
