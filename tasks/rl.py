@@ -16,6 +16,7 @@ from flywheel.envs import get_environment
 from flywheel.registry import stage_run
 from flywheel.train.rl.loop import train_rl
 from tasks.caching import by_content
+from tasks.progress import progress
 
 
 @task(name="rl", cache_key_fn=by_content("rl"), persist_result=True)
@@ -35,7 +36,7 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dict
         else:
             rows, summary = train_rl(catalog.model_dir("sft"), env, tasks, cfg.rl, out_dir,
                                      max_turns=cfg.environment.max_turns,
-                                     on_step=lambda step, values: run.metrics(values, step=step))
+                                     on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"))
         catalog.write("rollouts", pd.DataFrame(rows, columns=list(Rollouts.to_schema().columns)))
         run.metrics({f"final_{k}": v for k, v in summary.items()})
         outputs = {"rl": content_hash([out_dir], root_path),

@@ -14,6 +14,7 @@ from flywheel.registry import stage_run
 from flywheel.train.sft import train_sft
 from flywheel.train.tiny import build_tiny_student, render_conversation
 from tasks.caching import by_content
+from tasks.progress import progress
 
 
 @task(name="sft", cache_key_fn=by_content("sft"), persist_result=True)
@@ -43,7 +44,7 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dic
         base = base_dir if cfg.student.model == "tiny" else Path(cfg.student.model)
         run.metrics({"train_conversations": len(rows)})
         result = train_sft(base, rows, catalog.model_dir("sft"), cfg.sft,
-                           on_log=lambda step, values: run.metrics(values, step=step))
+                           on_log=progress(run, "sft", cfg.sft.steps, "loss"))
         run.metrics({f"final_{k}": v for k, v in result.items()})
         outputs = {name: content_hash([catalog.model_dir(name)], root_path) for name in ("base", "sft")}
         run.tags({f"flywheel.out.{k}": v for k, v in outputs.items()})

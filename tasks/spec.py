@@ -38,9 +38,9 @@ STAGES: dict[str, StageSpec] = {s.name: s for s in [
     StageSpec("synthesize", ("data/{p}/collect",), ("environment", "teacher", "synthesize"),
               ("tasks/synthesize.py", "flywheel/data", *_EPISODES), ("data/{p}/synthesize",)),
     StageSpec("sft", ("data/{p}/synthesize",), ("student", "sft"),
-              ("tasks/sft.py", "flywheel/data", "flywheel/train"), ("models/{p}/base", "models/{p}/sft")),
+              ("tasks/sft.py", "tasks/progress.py", "flywheel/data", "flywheel/train"), ("models/{p}/base", "models/{p}/sft")),
     StageSpec("rl", ("data/{p}/collect", "models/{p}/sft"), ("environment", "rl"),
-              ("tasks/rl.py", "flywheel/data", "flywheel/train", *_EPISODES), ("models/{p}/rl", "data/{p}/rl")),
+              ("tasks/rl.py", "tasks/progress.py", "flywheel/data", "flywheel/train", *_EPISODES), ("models/{p}/rl", "data/{p}/rl")),
     StageSpec("evaluate", ("data/{p}/collect", "data/{p}/synthesize", "data/{p}/rl", "models/{p}/base",
                            "models/{p}/sft", "models/{p}/rl"), ("environment", "evaluate", "gate"),
               ("tasks/evaluate.py", "tasks/reports.py", "flywheel/data", "flywheel/evaluate", "flywheel/train",
@@ -62,3 +62,33 @@ def input_key(stage: str, pipeline: str, root: Path) -> str:
     parts = [stage, pipeline, content_hash(spec.dep_paths(root, pipeline, cfg), root),
              cfg.section_hash(*spec.config), code_hash(spec)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def dvc_yaml() -> str:
+    """dvc.yaml as these specs imply it (`python -m tasks.spec > dvc.yaml`); tests/test_spec.py compares."""
+    lines = [
+        "# One DVC stage per pipeline stage and per pipeline in pipelines.yaml (`collect@demo`, `sft@demo`, ...).",
+        "# Prefect runs the same stage functions (`flywheel run`); after each it commits the outputs here as",
+        "# `dvc repro` would, so `dvc status` is clean after a run and `dvc repro` reruns only what changed.",
+        "# Generated from tasks/spec.py (the Prefect cache keys): `python -m tasks.spec > dvc.yaml`.",
+        "# collect also reads the files its `sources` match; DVC deps cannot be globs, so the folder is named.",
+        "vars:", "  - pipelines.yaml", "", "stages:"]
+    for spec in STAGES.values():
+        lines += [f"  {spec.name}:", "    foreach: ${pipelines}", "    do:",
+                  f"      cmd: flywheel stage {spec.name} --pipeline ${{key}}", "      deps:"]
+        extra = ["examples/traces"] if spec.name == "collect" else []
+        lines += [f"        - {d}" for d in extra + [d.replace("{p}", "${key}") for d in spec.deps] + list(spec.code)]
+        if spec.config:
+            lines += ["      params:", "        - pipelines.yaml:"]
+            lines += [f"            - pipelines.${{key}}.{section}" for section in spec.config]
+        lines.append("      outs:")
+        for out in spec.outs:
+            # the registration record is tiny and names MLflow state: tracked in dvc.lock, not cached
+            lines += [f"        - {out.replace('{p}', '${key}')}" + (":\n            cache: false"
+                                                                   if spec.name == "register" else "")]
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(dvc_yaml(), end="")

@@ -56,11 +56,13 @@ def test_retrain_runs_caches_and_reruns_only_what_changed(project, prefect_serve
     second = retrain(pipeline="small", root=str(project))
     assert second["ran"] == [] and second["version"] == "1"
 
-    _set(project, "pipelines.small.rl.lr", 2.0e-5)
+    # One stage's parameter: that stage and the ones after it run again, the ones before come from the cache.
+    _set(project, "pipelines.small.sft.lr", 2.0e-3)
     third = retrain(pipeline="small", root=str(project))
-    assert third["ran"] == ["rl", "evaluate", "register"]
+    assert third["ran"] == ["sft", "rl", "evaluate", "register"]
     assert third["version"] == "2"
     assert registry.get_alias("small", "challenger").version == "2"
     gate = json.loads((project / "data/small/evaluate/gate.json").read_text())
     assert gate["champion_version"] == "1", "the new candidate is judged against the champion"
+    assert "score_champion" in gate["scores"]
     assert dvc.status(project) == {}
