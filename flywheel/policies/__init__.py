@@ -12,6 +12,7 @@ POLICIES = {
     "oracle": ("flywheel.policies.oracle", "OraclePolicy"),
     "hf": ("flywheel.policies.hf", "HFPolicy"),
     "openai": ("flywheel.policies.openai", "OpenAIPolicy"),
+    "vllm": ("flywheel.policies.vllm", "VLLMPolicy"),
 }
 
 

@@ -1,0 +1,309 @@
+"""The `openai` policy: any OpenAI-compatible endpoint (vLLM's server, a hosted API) through the async client.
+
+A batch of conversations becomes concurrent requests (at most `concurrency` in flight), each retried with
+exponential backoff and jitter on 429, 5xx, timeouts and dropped connections, honouring Retry-After. A circuit
+breaker stops the batch with a TeacherError when the endpoint looks down instead of burning retries. Answers
+go to the response cache as they arrive, so a rerun makes no calls and a killed run resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import email.utils
+import json
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+
+import openai
+
+from flywheel.policies.base import Completion, Sampling
+from flywheel.policies.cache import ResponseCache, request_key, sample_indexes
+from flywheel.policies.toolcalls import parse_completion, render_tool_call
+
+MAX_RETRY_AFTER_S = 600.0
+# what `stats` counts: HTTP attempts, fresh answers, answers from the cache, retries and why, fresh tokens
+STATS = ("requests", "answers", "cache_hits", "retries", "rate_limited", "server_errors", "timeouts",
+         "connection_errors", "tokens_in", "tokens_out")
+
+
+class TeacherError(RuntimeError):
+    """The endpoint cannot serve the batch: down, refusing the key, or rejecting requests. Stops the stage."""
+
+
+class OpenAIPolicy:
+    """Assistant turns from a chat.completions endpoint; tool calls from `tool_calls` or `<tool_call>` text."""
+
+    name = "openai"
+
+    def __init__(self, model: str, base_url: str | None = None, api_key_env: str | None = None, *,
+                 concurrency: int = 16, timeout_s: float = 120.0, max_retries: int = 6,
+                 breaker_failures: int = 10, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 cache: ResponseCache | str | Path | None = None):
+        if not model:
+            raise ValueError("the openai policy needs a model name (teacher.model in pipelines.yaml)")
+        self.model = model
+        self.base_url = base_url
+        self.api_key_env = api_key_env
+        self._api_key = _read_key(api_key_env)  # held here only; never logged or put in an error
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.breaker_failures = breaker_failures
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.cache = ResponseCache(cache) if isinstance(cache, str | Path) else cache
+        self.stats: Counter[str] = Counter(dict.fromkeys(STATS, 0))
+        self._failures_in_a_row = 0
+        self._stopped: str | None = None  # why the breaker opened; every later request fails fast with it
+        self._resume_at = 0.0  # monotonic time before which no request starts (a Retry-After for everyone)
+
+    def __repr__(self) -> str:
+        return f"OpenAIPolicy(model={self.model!r}, base_url={self.base_url!r}, api_key_env={self.api_key_env!r})"
+
+    @property
+    def endpoint(self) -> str:
+        return self.base_url or os.environ.get("OPENAI_BASE_URL") or "the OpenAI API"
+
+    def generate(self, conversations: Sequence[list[dict]], tools: list[dict], sampling: Sampling,
+                 samples: Sequence[int] | None = None) -> list[Completion]:
+        """One completion per conversation; `samples` tells identical conversations apart (default: by order)."""
+        samples = list(samples) if samples is not None else sample_indexes(conversations)
+        if len(samples) != len(conversations):
+            raise ValueError(f"{len(samples)} sample indexes for {len(conversations)} conversations")
+        sampling_fields = asdict(sampling)
+        bodies: dict[str, dict] = {}
+        keys = []
+        for conversation, sample in zip(conversations, samples, strict=True):
+            key = request_key(self.model, conversation, tools, sampling_fields, sample)
+            keys.append(key)
+            bodies.setdefault(key, self._body(conversation, tools, sampling, sample))
+        records = self.cache.get_many(bodies) if self.cache is not None else {}
+        self.stats["cache_hits"] += sum(key in records for key in keys)
+        todo = {key: body for key, body in bodies.items() if key not in records}
+        if todo:
+            records |= _run(self._fetch_all(todo))
+        return [completion_from_record(records[key]) for key in keys]
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
+    def _body(self, conversation: list[dict], tools: list[dict], sampling: Sampling, sample: int) -> dict:
+        body = {"model": self.model, "messages": [dict(m) for m in conversation],
+                "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "max_completion_tokens": sampling.max_new_tokens}
+        if tools:
+            body["tools"] = tools
+        if sampling.seed is not None:
+            # n samples of one prompt must not share a seed: a seeded server would return n equal answers
+            body["seed"] = sampling.seed + sample
+        return body
+
+    async def _fetch_all(self, todo: dict[str, dict]) -> dict[str, dict]:
+        stop = asyncio.Event()
+        slots = asyncio.Semaphore(self.concurrency)
+        client = openai.AsyncOpenAI(api_key=self._api_key, base_url=self.base_url, timeout=self.timeout_s,
+                                    max_retries=0)  # retries are ours: backoff, Retry-After, the breaker
+        async with client:
+            fetches = [asyncio.create_task(self._fetch(client, slots, stop, key, body)) for key, body in todo.items()]
+            everything = asyncio.gather(*fetches, return_exceptions=True)
+            stopped = asyncio.create_task(stop.wait())
+            await asyncio.wait([everything, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if not everything.done():  # the breaker opened: requests in flight would only wait out their timeouts
+                for fetch in fetches:
+                    fetch.cancel()
+            results = await everything
+            stopped.cancel()
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            # every answer that did arrive is already cached; the first real cause is the message
+            cause = next((e for e in errors if isinstance(e, TeacherError)), errors[0])
+            if not isinstance(cause, TeacherError):
+                raise cause
+            kept = f"; answers received so far are cached in {self.cache.path}, a rerun resumes from them" \
+                if self.cache is not None else ""
+            raise TeacherError(f"{cause}{kept}") from None
+        return dict(zip(todo, results, strict=True))
+
+    async def _fetch(self, client, slots: asyncio.Semaphore, stop: asyncio.Event, key: str, body: dict) -> dict:
+        for attempt in range(self.max_retries + 1):
+            while (wait := self._resume_at - time.monotonic()) > 0 and not stop.is_set():
+                await _sleep(stop, wait)
+            self._check(stop)
+            retry_after, busy = None, False
+            async with slots:
+                self._check(stop)
+                started = time.perf_counter()
+                self.stats["requests"] += 1
+                try:
+                    # the body is already the wire format: a plain post skips the SDK's per-request transform
+                    # and typed parsing (milliseconds of CPU each), and keeps every field the server sent
+                    response = await client.post("/chat/completions", body=body, cast_to=object)
+                except openai.APIStatusError as err:
+                    if not _retryable(err.status_code):
+                        self._stop(stop, self._refusal(err))
+                        self._check(stop)
+                    retry_after = _retry_after_s(err.response.headers)
+                    busy = err.status_code == 429
+                    failure = f"HTTP {err.status_code}: {self._redact(err.message)}"
+                    self.stats["rate_limited" if busy else "server_errors"] += 1
+                except openai.APITimeoutError:
+                    failure = f"no answer within {self.timeout_s:g}s"
+                    self.stats["timeouts"] += 1
+                except openai.APIConnectionError as err:
+                    failure = f"connection failed ({type(err.__cause__).__name__ if err.__cause__ else err})"
+                    self.stats["connection_errors"] += 1
+                else:
+                    if isinstance(response, dict) and isinstance(response.get("choices"), list) and response["choices"]:
+                        return self._received(key, response, time.perf_counter() - started)
+                    failure = f"the answer is not a chat completion: {str(response)[:200]!r}"
+                    self.stats["server_errors"] += 1
+            if not busy:  # a 429 says the endpoint is up, only busy: not a sign that it is down
+                self._failed(stop, failure)
+            self._check(stop)
+            if attempt == self.max_retries:
+                raise TeacherError(f"a request to {self.endpoint} failed {attempt + 1} times "
+                                   f"(teacher.max_retries {self.max_retries}); last: {failure}")
+            self.stats["retries"] += 1
+            if retry_after is not None:
+                delay = min(retry_after, MAX_RETRY_AFTER_S) * random.uniform(1.0, 1.1)
+                self._resume_at = max(self._resume_at, time.monotonic() + delay)  # everyone waits, not just us
+            else:
+                ceiling = min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
+                delay = random.uniform(ceiling / 2, ceiling)
+            await _sleep(stop, delay)
+        raise AssertionError("unreachable")
+
+    def _received(self, key: str, response: dict, latency_s: float) -> dict:
+        self._failures_in_a_row = 0
+        record = {"response": response, "latency_s": round(latency_s, 6)}
+        usage = response.get("usage") or {}
+        self.stats["answers"] += 1
+        self.stats["tokens_in"] += int(usage.get("prompt_tokens") or 0)
+        self.stats["tokens_out"] += int(usage.get("completion_tokens") or 0)
+        if self.cache is not None:
+            self.cache.put(key, self.model, record)
+        return record
+
+    def _failed(self, stop: asyncio.Event, failure: str) -> None:
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row >= self.breaker_failures:
+            self._stop(stop, f"teacher endpoint {self.endpoint} looks down: {self._failures_in_a_row} attempts "
+                             f"in a row failed (teacher.breaker_failures {self.breaker_failures}); last: {failure}")
+
+    def _stop(self, stop: asyncio.Event, reason: str) -> None:
+        self._stopped = self._stopped or reason
+        stop.set()
+
+    def _check(self, stop: asyncio.Event) -> None:
+        if self._stopped:
+            stop.set()
+            raise TeacherError(self._stopped)
+
+    def _refusal(self, err: openai.APIStatusError) -> str:
+        status, message = err.status_code, self._redact(err.message)
+        if status in (401, 403):
+            source = f"the key in ${self.api_key_env}" if self.api_key_env else "no key (teacher.api_key_env is unset)"
+            return f"{self.endpoint} refused {source} (HTTP {status}): {message}"
+        if status == 404:
+            return f"{self.endpoint} does not serve model '{self.model}' (HTTP 404): {message}"
+        return f"{self.endpoint} rejected a request (HTTP {status}); check the teacher settings: {message}"
+
+    def _redact(self, text: str) -> str:
+        return text.replace(self._api_key, "***") if len(self._api_key) >= 8 else text
+
+
+def completion_from_record(record: dict) -> Completion:
+    """A Completion from a cached or fresh answer: tool calls from `tool_calls`, else parsed from the text."""
+    response = record["response"]
+    message = (response.get("choices") or [{}])[0].get("message") or {}
+    content = message.get("content") or ""
+    calls = message.get("tool_calls") or []
+    completion = _with_api_calls(content, calls) if calls else parse_completion(content)
+    usage = response.get("usage") or {}
+    completion.usage = {k: int(usage.get(k) or 0) for k in ("prompt_tokens", "completion_tokens")}
+    completion.latency_s = float(record.get("latency_s", 0.0))
+    return completion
+
+
+def _with_api_calls(content: str, calls: list[dict]) -> Completion:
+    """An assistant message from the API's tool_calls; arguments that are not a JSON object are an error."""
+    parsed, rendered, problems = [], [], []
+    for i, call in enumerate(calls):
+        function = call.get("function") or {}
+        name, raw = function.get("name"), function.get("arguments") or "{}"
+        try:
+            arguments = json.loads(raw) if isinstance(raw, str) else raw
+            if not isinstance(name, str) or not isinstance(arguments, dict):
+                raise TypeError("'name' must be a string and 'arguments' an object")
+        except (json.JSONDecodeError, TypeError) as err:
+            problems.append(f"tool call {i} is not valid JSON with 'name' and 'arguments': {err}")
+            rendered.append(f'<tool_call>{{"name": {json.dumps(name)}, "arguments": {raw}}}</tool_call>')
+            continue
+        call = {"id": call.get("id") or f"call_{i}", "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+        parsed.append(call)
+        rendered.append(render_tool_call(call))
+    text = content + "".join(rendered)
+    if problems:  # no tool_calls in the message: an unanswered call would make the next request invalid
+        return Completion(message={"role": "assistant", "content": text.strip()}, text=text,
+                          error="; ".join(problems))
+    return Completion(message={"role": "assistant", "content": content, "tool_calls": parsed}, text=text)
+
+
+def _read_key(api_key_env: str | None) -> str:
+    if not api_key_env:
+        return "EMPTY"  # vLLM's server and most local endpoints accept any key; the client requires one
+    key = os.environ.get(api_key_env)
+    if not key:
+        raise TeacherError(f"teacher.api_key_env names ${api_key_env}, which is not set in this environment "
+                           "(export it; the key itself never goes in pipelines.yaml)")
+    return key
+
+
+def _retryable(status: int) -> bool:
+    return status in (408, 409, 429) or status >= 500
+
+
+def _retry_after_s(headers) -> float | None:
+    """Seconds the server asked us to wait (Retry-After in seconds or as a date, or retry-after-ms), if any."""
+    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            return max(float(value) / scale, 0.0)
+        except ValueError:
+            pass
+    try:
+        when = email.utils.parsedate_to_datetime(headers.get("retry-after") or "")
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max((when - datetime.now(UTC)).total_seconds(), 0.0)
+
+
+async def _sleep(stop: asyncio.Event, seconds: float) -> None:
+    """Sleep, but wake at once when the breaker opens."""
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except TimeoutError:
+        pass
+
+
+def _run(coroutine):
+    """Run a coroutine to the end from sync code, also when the caller already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()

@@ -1,0 +1,223 @@
+"""A real OpenAI-compatible HTTP server for tests and benchmarks: the calculator oracle behind chat.completions.
+
+FastAPI + uvicorn in a thread on a free port. It answers with `tool_calls` (mode "tools", like vLLM with a
+tool parser) or with `<tool_call>` text (mode "text", a model served without one), counts every request, and
+injects faults on demand: `inject("429", "500", "hang", "drop", "malformed")` applies one fault to each of the
+next requests; `down_after = N` drops every request after the N-th answer (an endpoint that died); `hang_after
+= N` holds every request after the N-th answer unanswered (so a test can kill its client at a known point).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import socket
+import threading
+import time
+from collections import Counter, deque
+from typing import Self
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from flywheel.envs.calculator import CalculatorEnv
+from flywheel.policies.toolcalls import render_tool_call
+
+FAULTS = {"429", "500", "hang", "drop", "malformed"}
+
+
+class _Dropped(Response):
+    """Start a response, send half of it, then break the connection (a proxy or server dying mid-answer)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"4096")]})
+        await send({"type": "http.response.body", "body": b'{"id": "chatcmpl-dropped", "choi', "more_body": True})
+        raise ConnectionAbortedError("connection dropped on purpose")
+
+
+def body_hash(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _tokens(text: str) -> int:
+    return max(1, len(text) // 4)
+
+
+class OracleServer:
+    """The calculator oracle served over the OpenAI protocol, with request counts and fault injection."""
+
+    def __init__(self, mode: str = "tools", latency_s: float = 0.0, api_key: str | None = None,
+                 retry_after: str = "1", hang_s: float = 5.0):
+        if mode not in ("tools", "text"):
+            raise ValueError(f"mode must be 'tools' or 'text', not {mode!r}")
+        self.mode, self.latency_s, self.api_key = mode, latency_s, api_key
+        self.retry_after, self.hang_s = retry_after, hang_s
+        self.env = CalculatorEnv()
+        self.faults: deque[str] = deque()
+        self.down_after: int | None = None
+        self.hang_after: int | None = None
+        self.received: list[dict] = []  # every request body, in arrival order
+        self.answered: Counter[str] = Counter()  # body hash -> how many times it got a 200 answer
+        self.seen_faults: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._release = threading.Event()
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.port = 0
+        self.app = self._app()
+
+    # ---- control ---------------------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def inject(self, *faults: str) -> None:
+        unknown = set(faults) - FAULTS
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)} (known: {sorted(FAULTS)})")
+        with self._lock:
+            self.faults.extend(faults)
+
+    def release(self) -> None:
+        """Let go of the requests held by hang_after (they end with a 503 nobody is waiting for)."""
+        self.hang_after = None
+        self._release.set()
+
+    @property
+    def answers(self) -> int:
+        with self._lock:
+            return sum(self.answered.values())
+
+    def start(self) -> Self:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # accepted connections inherit it; without it every answer waits ~40 ms for a delayed ACK (Nagle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="critical", lifespan="off", timeout_graceful_shutdown=1,
+                                timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                        name=f"oracle-server-{self.port}")
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the test OpenAI server did not start within 30 s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.release()
+        if self._server:
+            self._server.should_exit = True
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- the endpoint ----------------------------------------------------------------------------------------
+
+    def _app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models() -> dict:
+            return {"object": "list", "data": [{"id": "oracle", "object": "model", "owned_by": "tests"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            body = await request.json()
+            with self._lock:
+                number = len(self.received)
+                self.received.append(body)
+                fault = self.faults.popleft() if self.faults else None
+                answered = sum(self.answered.values())
+                down = self.down_after is not None and answered >= self.down_after
+                hang = self.hang_after is not None and answered >= self.hang_after
+                if fault:
+                    self.seen_faults[fault] += 1
+            if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+                return _error(401, "Incorrect API key provided.", "invalid_request_error")
+            if down:
+                return _Dropped()
+            if hang:
+                while not self._release.is_set():
+                    await asyncio.sleep(0.02)
+                return _error(503, "released", "server_error")
+            if self.latency_s:
+                await asyncio.sleep(self.latency_s)
+            if fault == "429":
+                return _error(429, "Rate limit reached; slow down.", "rate_limit_error",
+                              headers={"Retry-After": self.retry_after})
+            if fault == "500":
+                return _error(500, "The server had an error while processing your request.", "server_error")
+            if fault == "hang":
+                await asyncio.sleep(self.hang_s)
+                return _error(504, "gave up", "server_error")  # the client stopped waiting long ago
+            if fault == "drop":
+                return _Dropped()
+            payload = self._answer(body, number, malformed=fault == "malformed")
+            with self._lock:
+                self.answered[body_hash(body)] += 1
+            return JSONResponse(payload)
+
+        return app
+
+    def _answer(self, body: dict, number: int, malformed: bool) -> dict:
+        message = self.env.solve(body["messages"])
+        calls = message.get("tool_calls") or []
+        if malformed and calls:
+            calls = [{**calls[0], "function": {**calls[0]["function"], "arguments": '{"expression": "1 +'}}]
+        if self.mode == "tools":
+            out = {"role": "assistant", "content": message.get("content") or None}
+            if calls:
+                out["tool_calls"] = [{"id": f"call_{number}_{i}", "type": "function", "function": c["function"]}
+                                     for i, c in enumerate(calls)]
+        else:
+            text = message.get("content") or ""
+            for call in calls:
+                text += (render_tool_call(call) if not malformed
+                         else '<tool_call>{"name": "calculator", "arguments": {"expression": "1 +</tool_call>')
+            out = {"role": "assistant", "content": text}
+        prompt_tokens = _tokens(json.dumps(body["messages"]) + json.dumps(body.get("tools") or []))
+        completion_tokens = _tokens(json.dumps(out))
+        return {"id": f"chatcmpl-{number}", "object": "chat.completion", "created": 0, "model": body["model"],
+                "choices": [{"index": 0, "message": out, "logprobs": None,
+                             "finish_reason": "tool_calls" if calls and self.mode == "tools" else "stop"}],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                        status_code=status, headers=headers)
+
+
+def main() -> None:
+    """Serve until killed, printing the base URL first: `python tests/openai_server.py --latency 0.05`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--mode", choices=["tools", "text"], default="tools")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds added to every answer")
+    args = parser.parse_args()
+    server = OracleServer(mode=args.mode, latency_s=args.latency).start()
+    print(server.url, flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

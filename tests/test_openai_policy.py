@@ -1,0 +1,163 @@
+"""The openai policy against a real OpenAI-compatible HTTP server (the calculator oracle) that misbehaves on cue."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from itertools import islice
+
+import pytest
+
+from flywheel.agent import run_episodes
+from flywheel.envs.calculator import CalculatorEnv
+from flywheel.policies import get_policy
+from flywheel.policies.base import Sampling
+from flywheel.policies.cache import ResponseCache, sample_indexes
+from flywheel.policies.openai import OpenAIPolicy, TeacherError, _retry_after_s
+
+ENV = CalculatorEnv()
+
+
+def tasks(n: int) -> list:
+    return list(islice(ENV.generate_tasks(0), n))
+
+
+def policy(server, **options) -> OpenAIPolicy:
+    """Short timeouts and backoffs: the faults below must cost tests fractions of a second."""
+    settings = {"concurrency": 4, "timeout_s": 1.0, "backoff_s": 0.02, "max_backoff_s": 0.2} | options
+    return OpenAIPolicy("oracle", server.url, **settings)
+
+
+@pytest.mark.parametrize("mode", ["tools", "text"])
+def test_episodes_through_the_protocol(openai_server, mode):
+    openai_server.mode = mode  # "text": a model served without a tool parser writes <tool_call> in its text
+    teacher = policy(openai_server)
+    episodes = run_episodes(ENV, teacher, tasks(6))
+    assert all(e.passed and e.turns == 2 for e in episodes)
+    assert episodes[0].messages[1]["tool_calls"][0]["function"]["name"] == "calculator"
+    first = episodes[0].completions[0]
+    assert first.usage["prompt_tokens"] > 0 and first.usage["completion_tokens"] > 0 and first.latency_s > 0
+    assert first.text.startswith("<tool_call>")
+    assert teacher.stats["requests"] == teacher.stats["answers"] == 12
+
+
+@pytest.mark.parametrize("mode", ["tools", "text"])
+def test_malformed_tool_call_json_is_shown_to_the_model(openai_server, mode):
+    openai_server.mode = mode
+    openai_server.inject("malformed")
+    (episode,) = run_episodes(ENV, policy(openai_server), tasks(1))
+    assert "not valid JSON" in episode.completions[0].error
+    assert "tool_calls" not in episode.messages[1]  # an unanswered call would make the next request invalid
+    feedback = episode.messages[2]
+    assert feedback["role"] == "user" and feedback["content"].startswith("Error: tool call 0 is not valid JSON")
+    assert episode.passed and episode.turns == 3
+
+
+def test_faults_are_retried_and_no_sample_is_lost_or_duplicated(openai_server):
+    openai_server.inject("429", "500", "hang", "drop", "500", "drop")
+    teacher = policy(openai_server)
+    episodes = run_episodes(ENV, teacher, tasks(10), samples=2, sampling=Sampling(temperature=1.0, seed=0))
+    assert len(episodes) == 20 and all(e.passed and e.turns == 2 for e in episodes)
+    assert openai_server.seen_faults == Counter({"500": 2, "drop": 2, "429": 1, "hang": 1})
+    stats = teacher.stats
+    assert (stats["rate_limited"], stats["server_errors"], stats["timeouts"], stats["connection_errors"]) == (1, 2, 1, 2)
+    assert stats["retries"] == 6 and stats["answers"] == 40
+    # every distinct request answered exactly once: none lost, none sent again after it was answered
+    assert openai_server.answers == 40 and set(openai_server.answered.values()) == {1}
+
+
+def test_retry_after_is_honoured(openai_server):
+    openai_server.retry_after = "1"
+    openai_server.inject("429")
+    started = time.monotonic()
+    (episode,) = run_episodes(ENV, policy(openai_server), tasks(1), max_turns=1)
+    assert time.monotonic() - started >= 1.0
+    assert episode.messages[1]["tool_calls"]
+
+
+def test_retry_after_forms():
+    assert _retry_after_s({"retry-after": "2"}) == 2.0
+    assert _retry_after_s({"retry-after-ms": "1500", "retry-after": "9"}) == 1.5
+    later = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+    assert 25 < _retry_after_s({"retry-after": later}) <= 30
+    assert _retry_after_s({"retry-after": "soon"}) is None and _retry_after_s({}) is None
+
+
+def test_circuit_breaker_stops_a_dead_endpoint_fast(openai_server):
+    openai_server.stop()  # nothing listens on the port any more
+    teacher = policy(openai_server, backoff_s=0.5, max_backoff_s=5.0, max_retries=6, breaker_failures=5)
+    started = time.monotonic()
+    with pytest.raises(TeacherError, match=r"looks down: 5 attempts in a row failed .* connection failed"):
+        teacher.generate([t.prompt for t in tasks(20)], ENV.tools(), Sampling())
+    # without the breaker: 20 requests x 7 attempts with up to ~30 s of backoff each
+    assert time.monotonic() - started < 5 and teacher.stats["requests"] <= 8
+
+
+def test_an_open_breaker_does_not_wait_for_requests_still_hanging(openai_server):
+    openai_server.hang_s = 30.0
+    openai_server.inject("hang", *["500"] * 10)
+    teacher = policy(openai_server, timeout_s=30.0, breaker_failures=3)
+    started = time.monotonic()
+    with pytest.raises(TeacherError, match="3 attempts in a row failed .* HTTP 500"):
+        teacher.generate([t.prompt for t in tasks(4)], ENV.tools(), Sampling())
+    assert time.monotonic() - started < 5  # the hanging request is cancelled, not waited out for 30 s
+
+
+def test_a_refused_key_stops_with_a_clear_error_that_hides_the_key(openai_server, monkeypatch):
+    right, wrong = "sk-right-0123456789abcdef", "sk-wrong-0123456789abcdef"
+    openai_server.api_key = right
+    monkeypatch.setenv("FLYWHEEL_TEST_TEACHER_KEY", wrong)
+    teacher = policy(openai_server, api_key_env="FLYWHEEL_TEST_TEACHER_KEY")
+    with pytest.raises(TeacherError, match=r"refused the key in \$FLYWHEEL_TEST_TEACHER_KEY \(HTTP 401\)") as err:
+        teacher.generate([t.prompt for t in tasks(12)], ENV.tools(), Sampling())
+    assert wrong not in str(err.value) and wrong not in repr(teacher)
+    assert teacher.stats["requests"] <= 4 and teacher.stats["retries"] == 0  # fails fast: no retrying a 401
+
+    monkeypatch.setenv("FLYWHEEL_TEST_TEACHER_KEY", right)
+    (episode,) = run_episodes(ENV, policy(openai_server, api_key_env="FLYWHEEL_TEST_TEACHER_KEY"), tasks(1))
+    assert episode.passed
+
+    monkeypatch.delenv("FLYWHEEL_TEST_TEACHER_KEY")
+    with pytest.raises(TeacherError, match=r"\$FLYWHEEL_TEST_TEACHER_KEY, which is not set"):
+        policy(openai_server, api_key_env="FLYWHEEL_TEST_TEACHER_KEY")
+
+
+def test_cache_replays_without_calls_and_keeps_samples_apart(openai_server, tmp_path):
+    cache = tmp_path / "cache.sqlite"
+    sampling = Sampling(temperature=1.0, seed=7)
+    first = run_episodes(ENV, policy(openai_server, cache=cache), tasks(4), samples=3, sampling=sampling)
+    assert len(openai_server.received) == 24 and len(ResponseCache(cache)) == 24
+    # the 3 samples of a task are 3 requests with 3 seeds, not one answer copied 3 times
+    assert Counter(body["seed"] for body in openai_server.received) == {7: 8, 8: 8, 9: 8}
+
+    replay = policy(openai_server, cache=cache)
+    again = run_episodes(ENV, replay, tasks(4), samples=3, sampling=sampling)
+    assert len(openai_server.received) == 24 and replay.stats["cache_hits"] == 24 and replay.stats["requests"] == 0
+    assert [e.messages for e in again] == [e.messages for e in first]
+    assert [c.latency_s for e in again for c in e.completions] == [c.latency_s for e in first for c in e.completions]
+
+
+def test_an_endpoint_that_dies_half_way_loses_nothing_and_resends_nothing(openai_server, tmp_path):
+    cache = tmp_path / "cache.sqlite"
+    openai_server.down_after = 10  # then every request has its connection dropped
+    with pytest.raises(TeacherError, match="looks down") as err:
+        run_episodes(ENV, policy(openai_server, cache=cache, breaker_failures=4), tasks(12))
+    assert f"cached in {cache}" in str(err.value)
+    assert openai_server.answers == 10 and len(ResponseCache(cache)) == 10
+
+    openai_server.down_after = None
+    episodes = run_episodes(ENV, policy(openai_server, cache=cache), tasks(12))
+    assert all(e.passed for e in episodes)
+    assert openai_server.answers == 24 and set(openai_server.answered.values()) == {1}
+
+
+def test_sample_indexes_count_identical_conversations():
+    a, b = [{"role": "user", "content": "1 + 1"}], [{"role": "user", "content": "2 + 2"}]
+    assert sample_indexes([a, a, b, a, b]) == [0, 1, 0, 2, 1]
+
+
+def test_vllm_policy_is_lazy_and_names_what_it_needs():
+    with pytest.raises(ImportError, match="GPU host"):
+        get_policy("vllm", model="any")
