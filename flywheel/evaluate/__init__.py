@@ -1,0 +1,1 @@
+"""Evaluation: the held-out runner, bootstrap statistics and the promotion gate."""

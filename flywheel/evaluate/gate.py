@@ -1,0 +1,168 @@
+"""The promotion gate: a candidate's eval table against the champion's, by the rules in pipelines.yaml.
+
+It fails closed: a missing pair, a NaN, an empty table or any error means no promotion, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from flywheel.config import GateConfig
+from flywheel.evaluate.stats import bootstrap_mean, paired_bootstrap
+
+COLUMNS = ("task_id", "sample", "reward", "passed", "slice")
+KEY = ["task_id", "sample"]
+# Scores are means of floats: without a tolerance 0.85 - 0.9 "drops by more than 0.05".
+_TOLERANCE = 1e-9
+
+
+@dataclass
+class GateDecision:
+    """Whether the candidate may be promoted, every reason, and the numbers behind them."""
+
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+    numbers: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """The decision as JSON text; non-finite numbers become null so the text stays valid JSON."""
+        return json.dumps(_finite(asdict(self)), indent=2, sort_keys=True)
+
+
+def _finite(value):
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    if isinstance(value, float | np.floating):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer | np.bool_):
+        return value.item()
+    return value
+
+
+def _check_table(frame: pd.DataFrame | None, name: str) -> list[str]:
+    """What makes an eval table unusable; empty when it is fine."""
+    if frame is None:
+        return [f"{name}: no eval table"]
+    if not isinstance(frame, pd.DataFrame):
+        return [f"{name}: expected a pandas DataFrame, got {type(frame).__name__}"]
+    missing = [c for c in COLUMNS if c not in frame.columns]
+    if missing:
+        return [f"{name}: eval table lacks columns {missing}"]
+    if frame.empty:
+        return [f"{name}: eval table is empty"]
+    problems = []
+    reward = pd.to_numeric(frame["reward"], errors="coerce")
+    if not np.isfinite(reward.to_numpy(dtype=np.float64)).all():
+        problems.append(f"{name}: {int((~np.isfinite(reward.to_numpy(dtype=np.float64))).sum())} "
+                        "rewards are NaN, infinite or not numbers")
+    elif ((reward < 0) | (reward > 1)).any():
+        problems.append(f"{name}: rewards outside [0, 1] (min {reward.min()}, max {reward.max()})")
+    if frame[KEY].isna().any().any() or frame["slice"].isna().any():
+        problems.append(f"{name}: task_id, sample or slice has missing values")
+    duplicated = int(frame.duplicated(KEY).sum())
+    if duplicated:
+        problems.append(f"{name}: {duplicated} duplicated (task_id, sample) rows")
+    return problems
+
+
+def _task_means(frame: pd.DataFrame) -> pd.Series:
+    # Samples of one task are correlated: the task, not the row, is the unit the bootstrap resamples.
+    return frame.groupby("task_id", sort=True)["reward"].mean()
+
+
+def _decide(candidate: pd.DataFrame, champion: pd.DataFrame | None, cfg: GateConfig) -> GateDecision:
+    problems = _check_table(candidate, "candidate")
+    if champion is not None:
+        problems += _check_table(champion, "champion")
+    if problems:
+        return GateDecision(False, problems)
+
+    alpha = 1.0 - cfg.confidence
+    boot = {"n": cfg.bootstrap_samples, "alpha": alpha, "seed": cfg.seed}
+    candidate = candidate.assign(reward=candidate["reward"].astype(np.float64))
+    score = bootstrap_mean(_task_means(candidate).to_numpy(), **boot)
+    numbers: dict = {"candidate": {"score": score.estimate, "low": score.low, "high": score.high,
+                                   "pass_rate": float(candidate["passed"].astype(float).mean()),
+                                   "rows": len(candidate), "tasks": int(candidate["task_id"].nunique())},
+                     "confidence": cfg.confidence, "mode": cfg.mode}
+    reasons, passed = [], True
+    if score.estimate + _TOLERANCE >= cfg.min_score:
+        reasons.append(f"candidate score {score.estimate:.4f} >= min_score {cfg.min_score}")
+    else:
+        passed = False
+        reasons.append(f"candidate score {score.estimate:.4f} is below min_score {cfg.min_score}")
+
+    if champion is None:
+        numbers["slices"] = {str(name): {"candidate": float(rows["reward"].mean()), "rows": len(rows)}
+                             for name, rows in candidate.groupby("slice", sort=True)}
+        reasons.append("no champion: only the absolute rule (min_score) applies")
+        return GateDecision(passed, reasons, numbers)
+
+    champion = champion.assign(reward=champion["reward"].astype(np.float64))
+    pairs = candidate.merge(champion[KEY + ["reward"]], on=KEY, how="outer", suffixes=("", "_champion"),
+                            indicator=True)
+    only_candidate = int((pairs["_merge"] == "left_only").sum())
+    only_champion = int((pairs["_merge"] == "right_only").sum())
+    if only_candidate or only_champion:
+        reason = (f"tables do not pair by (task_id, sample): {only_candidate} rows only in the candidate's, "
+                  f"{only_champion} only in the champion's (evaluate both on the same held-out tasks)")
+        return GateDecision(False, reasons + [reason], numbers)
+
+    champ_score = float(_task_means(champion).mean())
+    by_task = pairs.groupby("task_id", sort=True)[["reward", "reward_champion"]].mean()
+    diff = paired_bootstrap(by_task["reward"].to_numpy(), by_task["reward_champion"].to_numpy(), **boot)
+    bound = cfg.margin if cfg.mode == "improve" else -cfg.margin
+    numbers["champion"] = {"score": champ_score,
+                           "pass_rate": float(champion["passed"].astype(float).mean())}
+    numbers["diff"] = {"estimate": diff.estimate, "low": diff.low, "high": diff.high, "bound": bound}
+    rule = "improvement" if cfg.mode == "improve" else "non-inferiority"
+    if diff.low > bound:
+        reasons.append(f"{rule}: diff {diff.estimate:+.4f}, lower bound {diff.low:+.4f} > {bound:+.4f}")
+    else:
+        passed = False
+        reasons.append(f"{rule} not shown: diff {diff.estimate:+.4f}, lower bound {diff.low:+.4f} "
+                       f"does not exceed {bound:+.4f}")
+
+    slices = {}
+    for name, rows in pairs.groupby("slice", sort=True):
+        cand, champ = float(rows["reward"].mean()), float(rows["reward_champion"].mean())
+        slices[str(name)] = {"candidate": cand, "champion": champ, "delta": cand - champ, "rows": len(rows)}
+    numbers["slices"] = slices
+    regressed = {name: s["delta"] for name, s in slices.items()
+                 if s["delta"] < -cfg.max_slice_regression - _TOLERANCE}
+    if regressed:
+        passed = False
+        for name, delta in regressed.items():
+            reasons.append(f"slice '{name}' regressed by {-delta:.4f} > max_slice_regression "
+                           f"{cfg.max_slice_regression}")
+    else:
+        reasons.append(f"no slice regressed by more than {cfg.max_slice_regression}")
+    return GateDecision(passed, reasons, numbers)
+
+
+def decide(candidate: pd.DataFrame, champion: pd.DataFrame | None, cfg: GateConfig) -> GateDecision:
+    """Apply the gate rules; never raises: any error is a failed decision that says what went wrong."""
+    try:
+        decision = _decide(candidate, champion, cfg)
+        # Last line of defence: a NaN that slipped through must not read as a pass.
+        if decision.passed and not all(math.isfinite(v) for v in _floats(decision.numbers)):
+            reasons = decision.reasons + ["a gate number is NaN or infinite"]
+            return GateDecision(False, reasons, decision.numbers)
+        return decision
+    except Exception as err:  # noqa: BLE001 -- fail closed: an error in the gate means no promotion
+        return GateDecision(False, [f"gate error: {type(err).__name__}: {err}"])
+
+
+def _floats(value):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _floats(v)
+    elif isinstance(value, float | np.floating):
+        yield float(value)

@@ -1,0 +1,56 @@
+"""The learner's update: old log-probs once, then epochs of clipped-loss minibatch steps on one batch."""
+
+from __future__ import annotations
+
+import torch
+
+from flywheel.config import RLConfig
+from flywheel.train.rl.loss import policy_loss, token_logprobs
+
+_MAXIMA = ("ratio_max", "is_weight_max", "grad_norm_max")
+
+
+@torch.no_grad()
+def batch_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """token_logprobs of a whole batch without gradient, `chunk` sequences at a time."""
+    parts = [token_logprobs(model, batch["input_ids"][i:i + chunk], batch["attention_mask"][i:i + chunk],
+                            temperature) for i in range(0, len(batch["input_ids"]), chunk)]
+    return torch.cat(parts)
+
+
+def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
+                   cfg: RLConfig, generator: torch.Generator, tis_cap: float = 2.0) -> dict[str, float]:
+    """cfg.epochs_per_batch passes of minibatch steps; the ratio is against the batch's starting weights.
+
+    A batch with behaviour_logprobs (async rollouts) also gets truncated importance weights.
+    """
+    model.eval()  # deterministic old log-probs (no dropout)
+    old = batch_logprobs(model, batch, cfg.minibatch_size, cfg.temperature)
+    model.train()
+    totals: dict[str, float] = {}
+    maxima: dict[str, float] = {}
+    count = 0
+    n = len(batch["input_ids"])
+    for _ in range(cfg.epochs_per_batch):
+        for idx in torch.randperm(n, generator=generator).split(cfg.minibatch_size):
+            logprobs = token_logprobs(model, batch["input_ids"][idx], batch["attention_mask"][idx],
+                                      cfg.temperature)
+            behaviour = batch["behaviour_logprobs"][idx] if "behaviour_logprobs" in batch else None
+            loss, stats = policy_loss(
+                logprobs, old[idx], batch["advantages"][idx], batch["loss_mask"][idx], clip_eps=cfg.clip_eps,
+                loss_type=cfg.loss_type, max_length=cfg.max_length, behaviour_logprobs=behaviour,
+                tis_cap=tis_cap)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            stats |= {"loss": loss.item(), "grad_norm": grad_norm.item(), "grad_norm_max": grad_norm.item()}
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value
+                if key in _MAXIMA:
+                    maxima[key] = max(maxima.get(key, value), value)
+            count += 1
+    model.eval()
+    # Maxima stay maxima: an average of per-minibatch maxima would hide the outlier they exist to show.
+    return {key: value / count for key, value in totals.items()} | maxima | {"updates": count}

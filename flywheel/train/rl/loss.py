@@ -1,0 +1,100 @@
+"""The clipped GRPO-family policy loss on assistant tokens, with truncated importance sampling and a k3 KL."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+LossType = Literal["grpo", "dr_grpo"]
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """Log-prob of each token given its prefix, [B, T]: position t holds log p(input_ids[t]); position 0 is 0.
+
+    With a sampling temperature the log-probs are those of the tempered distribution the tokens came from.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    # float32 for the softmax: bf16 log-probs are too coarse for ratios near 1.
+    logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return F.pad(picked, (1, 0), value=0.0)
+
+
+def truncated_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """Per-token importance weights min(pi_old / pi_behaviour, cap), detached: they correct, never train."""
+    return torch.exp(old_logprobs - behaviour_logprobs).clamp(max=cap).detach()
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref): exp(ref - new) - (ref - new) - 1, unbiased and >= 0."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1.0
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, *, clip_eps: float, loss_type: LossType = "grpo",
+                max_length: int | None = None, behaviour_logprobs: torch.Tensor | None = None,
+                tis_cap: float = 2.0, ref_logprobs: torch.Tensor | None = None,
+                beta: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped surrogate over masked tokens; returns (loss, stats): clip fraction, ratios, IS weights, KL.
+
+    logprobs carry the gradient; old_logprobs are the policy the ratio is taken against; behaviour_logprobs,
+    when given, are the policy that actually sampled (older, in async RL), corrected by truncated IS.
+    "grpo" averages each sequence over its own tokens, then over sequences; "dr_grpo" sums every token and
+    divides by B * max_length (a constant, so long answers are not down-weighted per token).
+    """
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
+                         f"mask {tuple(mask.shape)} must all be [B, T]")
+    mask = mask.to(logprobs.dtype)
+    old_logprobs = old_logprobs.detach()
+    adv = advantages.to(logprobs.dtype).unsqueeze(-1)
+
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    per_token = torch.maximum(unclipped, clipped)
+
+    if behaviour_logprobs is not None:
+        weights = truncated_is_weights(old_logprobs, behaviour_logprobs, tis_cap)
+        per_token = per_token * weights
+    else:
+        weights = torch.ones_like(per_token)
+
+    kl = None
+    if ref_logprobs is not None:
+        kl = k3_kl(logprobs, ref_logprobs.detach())
+        per_token = per_token + beta * kl
+
+    if loss_type == "grpo":
+        per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        loss = per_sequence.mean()
+    elif loss_type == "dr_grpo":
+        length = max_length if max_length is not None else mask.shape[1]
+        loss = (per_token * mask).sum() / (mask.shape[0] * length)
+    else:
+        raise ValueError(f"unknown loss_type '{loss_type}' (known: grpo, dr_grpo)")
+
+    with torch.no_grad():
+        # A token is clipped when clipping removes its gradient: the ratio left the trust region in the
+        # direction the advantage pushes it.
+        is_clipped = ((adv > 0) & (ratio > 1.0 + clip_eps)) | ((adv < 0) & (ratio < 1.0 - clip_eps))
+        on = mask.bool()
+        stats = {
+            "clip_fraction": _masked_mean(is_clipped.to(mask.dtype), mask).item(),
+            "ratio_mean": _masked_mean(ratio, mask).item(),
+            "ratio_max": ratio[on].max().item() if on.any() else 1.0,
+            "is_weight_mean": _masked_mean(weights, mask).item(),
+            "is_weight_max": weights[on].max().item() if on.any() else 1.0,
+        }
+        if kl is not None:
+            stats["kl"] = _masked_mean(kl, mask).item()
+    return loss, stats

@@ -1,0 +1,159 @@
+"""The promotion gate and the bootstrap statistics it rests on."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from flywheel.config import GateConfig
+from flywheel.evaluate.gate import decide
+from flywheel.evaluate.stats import bootstrap_mean, paired_bootstrap
+
+
+def table(rewards, slices=None, samples: int = 1) -> pd.DataFrame:
+    """An eval table: rewards[i][s] is task i's sample s (or a flat list with one sample each)."""
+    rows = []
+    for i, r in enumerate(rewards):
+        per_sample = r if isinstance(r, list | tuple) else [r] * samples
+        for s, value in enumerate(per_sample):
+            rows.append({"task_id": f"t{i:03d}", "sample": s, "reward": float(value), "passed": value >= 1.0,
+                         "slice": slices[i] if slices else "all"})
+    return pd.DataFrame(rows)
+
+
+def cfg(**kw) -> GateConfig:
+    base = {"min_score": 0.5, "mode": "improve", "margin": 0.02, "max_slice_regression": 0.05,
+            "bootstrap_samples": 1000, "confidence": 0.95, "seed": 0}
+    return GateConfig(**(base | kw))
+
+
+RNG = np.random.default_rng(123)
+CHAMPION = (RNG.random(200) < 0.7).astype(float)  # 70% solved
+BETTER = np.where(RNG.random(200) < 0.6, 1.0, CHAMPION)  # fixes ~60% of the failures, breaks none
+
+
+def test_clear_improvement_passes():
+    d = decide(table(BETTER), table(CHAMPION), cfg())
+    assert d.passed, d.reasons
+    assert d.numbers["diff"]["low"] > 0.02
+    assert d.numbers["candidate"]["score"] == pytest.approx(BETTER.mean())
+    assert d.numbers["champion"]["score"] == pytest.approx(CHAMPION.mean())
+    json.loads(d.to_json())
+
+
+def test_below_min_score_fails():
+    d = decide(table(BETTER), table(CHAMPION), cfg(min_score=0.99))
+    assert not d.passed
+    assert any("below min_score" in r for r in d.reasons)
+
+
+def test_bound_not_cleared_fails_in_improve_mode():
+    d = decide(table(CHAMPION), table(CHAMPION), cfg())
+    assert not d.passed
+    assert any("improvement not shown" in r for r in d.reasons)
+
+
+def test_non_inferiority_holds_for_an_equal_candidate():
+    d = decide(table(CHAMPION), table(CHAMPION), cfg(mode="non_inferior"))
+    assert d.passed, d.reasons
+    assert d.numbers["diff"] == {"estimate": 0.0, "low": 0.0, "high": 0.0, "bound": -0.02}
+
+
+def test_non_inferiority_fails_for_a_clearly_worse_candidate():
+    worse = np.where(RNG.random(200) < 0.3, 0.0, CHAMPION)
+    d = decide(table(worse), table(CHAMPION), cfg(mode="non_inferior", min_score=0.0))
+    assert not d.passed
+    assert any("non-inferiority not shown" in r for r in d.reasons)
+
+
+def test_slice_regression_fails_even_when_the_mean_improves():
+    slices = ["easy"] * 100 + ["hard"] * 100
+    champion = np.r_[np.zeros(100), np.ones(100)]
+    candidate = np.r_[np.ones(100), np.r_[np.zeros(10), np.ones(90)]]  # easy +1.0, hard -0.1
+    d = decide(table(candidate, slices), table(champion, slices), cfg())
+    assert not d.passed
+    assert d.numbers["slices"]["hard"]["delta"] == pytest.approx(-0.1)
+    assert d.numbers["slices"]["easy"]["delta"] == pytest.approx(1.0)
+    assert any("slice 'hard' regressed" in r for r in d.reasons)
+    # A drop of exactly the limit is allowed (float noise must not fail it).
+    candidate = np.r_[np.ones(100), np.r_[np.zeros(5), np.ones(95)]]
+    assert decide(table(candidate, slices), table(champion, slices), cfg()).passed
+
+
+def test_missing_pairs_fail_closed():
+    champion = table(CHAMPION)
+    d = decide(table(BETTER).iloc[1:], champion, cfg())
+    assert not d.passed
+    assert any("do not pair" in r and "1 only in the champion" in r for r in d.reasons)
+    other_samples = champion.assign(sample=champion["sample"] + 1)
+    assert not decide(table(BETTER), other_samples, cfg()).passed
+
+
+@pytest.mark.parametrize("who", ["candidate", "champion"])
+def test_nan_fails_closed(who):
+    frames = {"candidate": table(BETTER), "champion": table(CHAMPION)}
+    frames[who].loc[3, "reward"] = float("nan")
+    d = decide(frames["candidate"], frames["champion"], cfg())
+    assert not d.passed
+    assert any(who in r and "NaN" in r for r in d.reasons)
+    json.loads(d.to_json())
+
+
+def test_bad_tables_fail_closed_and_never_raise():
+    empty = table(BETTER).iloc[:0]
+    assert not decide(empty, None, cfg()).passed
+    assert not decide(table(BETTER).drop(columns="slice"), None, cfg()).passed
+    assert not decide(None, None, cfg()).passed
+    assert not decide("not a frame", table(CHAMPION), cfg()).passed
+    dup = pd.concat([table(BETTER), table(BETTER).iloc[:1]])
+    assert not decide(dup, table(CHAMPION), cfg()).passed
+    d = decide(table(BETTER), table(CHAMPION), object())  # a broken config: the error is the reason
+    assert not d.passed and d.reasons[0].startswith("gate error: AttributeError")
+
+
+def test_no_champion_uses_the_absolute_rule_only():
+    assert decide(table(CHAMPION), None, cfg(min_score=0.6)).passed
+    d = decide(table(CHAMPION), None, cfg(min_score=0.8))
+    assert not d.passed
+    assert "diff" not in d.numbers
+    assert d.numbers["slices"] == {"all": {"candidate": pytest.approx(CHAMPION.mean()), "rows": 200}}
+
+
+def test_samples_are_averaged_per_task_before_resampling():
+    champion = table([[0.0, 1.0]] * 50 + [[1.0, 1.0]] * 50)
+    candidate = table([[1.0, 1.0]] * 100)
+    d = decide(candidate, champion, cfg())
+    per_task = paired_bootstrap(np.ones(100), np.r_[np.full(50, 0.5), np.ones(50)], n=1000, seed=0)
+    assert d.numbers["diff"]["low"] == pytest.approx(per_task.low)
+    assert d.numbers["diff"]["estimate"] == pytest.approx(0.25)
+
+
+def test_identical_differences_give_a_point_interval():
+    a, b = np.full(30, 0.75), np.full(30, 0.5)
+    assert paired_bootstrap(a, b, n=500, seed=1) == (0.25, 0.25, 0.25)
+
+
+def test_paired_bootstrap_matches_a_hand_computation():
+    a = np.array([1.0, 0.0, 1.0, 1.0, 0.5, 1.0, 0.0, 1.0])
+    b = np.array([0.0, 0.0, 1.0, 0.0, 0.5, 1.0, 1.0, 0.0])
+    got = paired_bootstrap(a, b, n=4000, alpha=0.1, seed=7)
+    # Independently: one resample of the 8 differences at a time from the same seeded generator.
+    rng = np.random.default_rng(7)
+    d = a - b
+    means = [np.mean([d[i] for i in rng.integers(0, len(d), size=len(d))]) for _ in range(4000)]
+    assert got.estimate == pytest.approx(0.25)
+    assert got.low == pytest.approx(np.percentile(means, 5))
+    assert got.high == pytest.approx(np.percentile(means, 95))
+    assert got.low < 0 < got.high  # 8 tasks cannot show this +0.25 is real
+
+
+def test_bootstrap_mean_is_close_to_the_normal_interval():
+    x = np.random.default_rng(0).random(400)
+    got = bootstrap_mean(x, n=5000, alpha=0.05, seed=0)
+    half = 1.96 * x.std() / np.sqrt(len(x))
+    assert got.estimate == pytest.approx(x.mean())
+    assert got.low == pytest.approx(x.mean() - half, abs=0.005)
+    assert got.high == pytest.approx(x.mean() + half, abs=0.005)

@@ -1,0 +1,144 @@
+"""A real, short synchronous RL run: the tiny model, the calculator harness, real optimiser steps."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from flywheel.agent import run_episodes
+from flywheel.config import RLConfig, TinyModelConfig
+from flywheel.envs.base import Score
+from flywheel.envs.calculator import CalculatorEnv
+from flywheel.policies.oracle import OraclePolicy
+from flywheel.policies.toolcalls import render_tool_call
+from flywheel.train.checkpoint import load_student
+from flywheel.train.rl.batch import collate, encode_groups, make_groups
+from flywheel.train.rl.learner import learn_on_batch
+from flywheel.train.rl.loop import train_rl
+from flywheel.train.tiny import build_tiny_student, environment_corpus
+
+ROW_KEYS = {"step", "policy_version", "behaviour_version", "task_id", "group", "sample", "reward",
+            "advantage", "tokens", "passed"}
+METRIC_KEYS = {"reward_mean", "reward_std", "pass_rate", "skipped_groups", "loss", "clip_fraction",
+               "ratio_mean", "tokens_per_s", "step_time_s", "policy_version"}
+
+
+class GradedCalculator(CalculatorEnv):
+    """The calculator with a graded rubric: a random model never solves a sum, so the exact-answer rubric
+    would give every group equal rewards and nothing to learn. Reward: the share of digits in the answer."""
+
+    def score(self, task, messages):
+        text = messages[-1].get("content") or "" if messages[-1]["role"] == "assistant" else ""
+        reward = sum(c.isdigit() for c in text) / max(len(text), 1)
+        return Score(reward=reward, passed=reward > 0.5)
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    """A randomly initialised tiny student (the same build as the demo's, smaller)."""
+    env = CalculatorEnv()
+    return build_tiny_student(environment_corpus(env, 100, 0),
+                              TinyModelConfig(hidden_size=32, layers=1, heads=2, vocab_size=300),
+                              tmp_path_factory.mktemp("student"))
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return list(itertools.islice(CalculatorEnv().generate_tasks(1), 12))
+
+
+CFG = RLConfig(steps=2, tasks_per_step=3, group_size=3, minibatch_size=4, epochs_per_batch=2, lr=1e-3, seed=3)
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_rl_run_learns_logs_and_saves(student, tasks, tmp_path):
+    seen = []
+    rows, summary = train_rl(student, GradedCalculator(), tasks, CFG, tmp_path / "rl", max_turns=1,
+                             on_step=lambda step, m: seen.append((step, m)))
+    assert len(rows) == CFG.steps * CFG.tasks_per_step * CFG.group_size
+    assert all(set(r) == ROW_KEYS for r in rows)
+    for step in range(CFG.steps):
+        mine = [r for r in rows if r["step"] == step]
+        assert {r["policy_version"] for r in mine} == {r["behaviour_version"] for r in mine} == {step}
+        assert sorted({r["group"] for r in mine}) == list(range(CFG.tasks_per_step))
+        assert all(r["tokens"] > 0 for r in mine)
+        for group in range(CFG.tasks_per_step):
+            members = [r for r in mine if r["group"] == group]
+            assert [r["sample"] for r in members] == list(range(CFG.group_size))
+            assert len({r["task_id"] for r in members}) == 1
+            if members[0]["advantage"] is not None:
+                assert sum(r["advantage"] for r in members) == pytest.approx(0.0, abs=1e-6)
+    assert [step for step, _ in seen] == [0, 1]
+    assert [m["policy_version"] for _, m in seen] == [1, 2]
+    assert all(METRIC_KEYS <= set(m) for _, m in seen)
+    for _, m in seen:  # the sequences of groups with a signal, in minibatches, once per epoch
+        sequences = (m["groups"] - m["skipped_groups"]) * CFG.group_size
+        assert m["updates"] == CFG.epochs_per_batch * -(-sequences // CFG.minibatch_size)
+    assert sum(m["skipped_groups"] for _, m in seen) < CFG.steps * CFG.tasks_per_step
+    assert summary["policy_version"] == 2 and summary["episodes"] == len(rows)
+
+    before, _ = load_student(student)
+    after, tokenizer = load_student(tmp_path / "rl")
+    changed = [k for k, v in weights(after).items() if not torch.equal(v, weights(before)[k])]
+    assert changed, "RL steps left every weight unchanged"
+    assert tokenizer.chat_template
+
+
+def test_rerun_is_reproducible(student, tasks, tmp_path):
+    cfg = CFG.model_copy(update={"steps": 1, "tasks_per_step": 2})
+    first, _ = train_rl(student, GradedCalculator(), tasks, cfg, tmp_path / "a", max_turns=1)
+    second, _ = train_rl(student, GradedCalculator(), tasks, cfg, tmp_path / "b", max_turns=1)
+    assert first == second
+    a, b = weights(load_student(tmp_path / "a")[0]), weights(load_student(tmp_path / "b")[0])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_groups_without_signal_are_skipped_and_change_nothing(student, tasks, tmp_path):
+    # The real exact-answer rubric: an untrained model fails every task, so every group is skipped.
+    cfg = CFG.model_copy(update={"steps": 1})
+    seen = []
+    rows, _ = train_rl(student, CalculatorEnv(), tasks, cfg, tmp_path / "rl", max_turns=1,
+                       on_step=lambda step, m: seen.append(m))
+    assert all(r["reward"] == 0.0 and r["advantage"] is None for r in rows)
+    assert seen[0]["skipped_groups"] == cfg.tasks_per_step and seen[0]["updates"] == 0
+    before, after = weights(load_student(student)[0]), weights(load_student(tmp_path / "rl")[0])
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_learner_starts_from_ratio_one_on_assistant_tokens_only(student):
+    env = CalculatorEnv()
+    model, tokenizer = load_student(student)
+    tasks = list(itertools.islice(env.generate_tasks(5), 4))
+    episodes = run_episodes(env, OraclePolicy(env), tasks, samples=2)
+    for i, episode in enumerate(episodes):
+        episode.reward = float(i % 2)
+    groups = make_groups(episodes, 2, "grpo")
+    samples, tokens = encode_groups(groups, tokenizer, env.tools(), 256)  # room: this tokenizer is small
+    batch = collate(samples, tokenizer.pad_token_id)
+    # Loss on exactly the assistant turns and their end tokens: never the prompt or a tool result.
+    for sample, episode in zip(samples, episodes, strict=True):
+        masked = tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m])
+        expected = "".join((m.get("content") or "") + "".join(map(render_tool_call, m.get("tool_calls", [])))
+                           + "<|im_end|>" for m in episode.messages if m["role"] == "assistant")
+        assert masked == expected
+    assert tokens[(0, 0)] == sum(samples[0].loss_mask)
+    # A negligible learning rate: every ratio must be 1, so old and new log-probs line up token for token.
+    cfg = RLConfig(lr=1e-12, minibatch_size=3, epochs_per_batch=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    stats = learn_on_batch(model, optimizer, batch, cfg, torch.Generator().manual_seed(0))
+    assert stats["ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert stats["clip_fraction"] == 0.0 and stats["updates"] == 2 * 3
+
+
+def test_groups_must_hold_one_task():
+    env = CalculatorEnv()
+    episodes = run_episodes(env, OraclePolicy(env), list(itertools.islice(env.generate_tasks(0), 3)))
+    with pytest.raises(ValueError, match="do not split"):
+        make_groups(episodes, 2, "grpo")
+    with pytest.raises(ValueError, match="mixes tasks"):
+        make_groups(episodes[:2], 2, "grpo")
