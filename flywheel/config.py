@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -50,22 +51,175 @@ class StudentConfig(Section):
 
 
 class TeacherConfig(Section):
-    policy: Literal["oracle", "openai", "hf"] = "oracle"
+    policy: Literal["oracle", "openai", "vllm", "hf"] = "oracle"
+    # openai: the served model name; vllm and hf: a checkpoint folder or hub id
     model: str | None = None
+    # e.g. http://localhost:8000/v1 (vLLM's server); unset: the client's default (OPENAI_BASE_URL or OpenAI's)
     base_url: str | None = None
     # The NAME of the environment variable holding the key; a key itself never goes in this file.
-    api_key_env: str | None = None
+    api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")
+    concurrency: int = Field(16, ge=1, le=512)  # requests in flight at once
+    timeout_s: float = Field(120.0, gt=0)  # per request; a hang past it is retried
+    max_retries: int = Field(6, ge=0, le=20)  # per request, on 429, 5xx, timeouts and dropped connections
+    # this many failed attempts in a row (any request) mean the endpoint is down: the stage stops
+    breaker_failures: int = Field(10, ge=1)
+    price_input_per_mtok: float = Field(0.0, ge=0)  # USD per million prompt tokens
+    price_output_per_mtok: float = Field(0.0, ge=0)  # USD per million completion tokens
+    # SQLite response cache under the project root (null: none): reruns make no calls, a killed run resumes
+    cache: str | None = ".flywheel/teacher-cache.sqlite"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hide_pasted_keys(cls, data):
+        # A value that is not an UPPER_CASE variable name may be a pasted key: the error must not print it.
+        value = data.get("api_key_env") if isinstance(data, dict) else None
+        if isinstance(value, str) and not (value.isascii() and value.isidentifier() and value == value.upper()):
+            data = {**data, "api_key_env": "<hidden: must be the NAME of the environment variable holding the "
+                                           "key, e.g. OPENAI_API_KEY, never the key itself>"}
+        return data
+
+    @model_validator(mode="after")
+    def _usable(self) -> TeacherConfig:
+        if self.policy != "oracle" and not self.model:
+            raise ValueError(f"teacher policy '{self.policy}' needs 'model' (the served model name, "
+                             "or a checkpoint for vllm and hf)")
+        return self
+
+
+RedactionKind = Literal["email", "phone", "credit_card", "ip_address", "api_key", "token", "private_key"]
+REDACTION_KINDS = ["email", "phone", "credit_card", "ip_address", "api_key", "token", "private_key"]
+
+
+class FieldMapping(Section):
+    """Where a record keeps each part: dotted paths into the record, list indexes allowed (`turns.0.text`)."""
+
+    # None takes the shape's own place: `messages`, `tools`, `outcome`, `score`, `id`, `timestamp` (chat);
+    # `request.messages` + the response's message, `request.tools`, ... `response.id`, `response.created` (proxy).
+    messages: str | None = None
+    tools: str | None = None
+    outcome: str | None = None
+    score: str | None = None
+    id: str | None = None
+    time: str | None = None
+
+
+class OutcomeRule(Section):
+    """accepted/rejected/unknown from the outcome field's value (a flag is a true/false field), else the score."""
+
+    accepted: list[str | bool | int] = ["accepted"]
+    rejected: list[str | bool | int] = ["rejected"]
+    unknown: list[str | bool | int] = ["unknown"]
+    # When the outcome field is absent: score >= threshold is accepted, below it rejected; None: unknown.
+    score_threshold: float | None = None
+
+
+class SourceConfig(Section):
+    """One place traces come from: exactly one of `path` (globs), `s3` (a prefix) or `mlflow` (an experiment)."""
+
+    name: str | None = None  # the `source` column and the metric names; derived from the location if unset
+    path: list[str] | None = None  # globs under the project root: .jsonl, .ndjson, .json (+ .gz), .parquet
+    s3: str | None = None  # s3://bucket/prefix; endpoint, region and credentials from the AWS environment
+    mlflow: str | None = None  # an experiment name; its traces are rebuilt into chat messages
+    tracking_uri: str | None = None  # for `mlflow`; default MLFLOW_TRACKING_URI
+    format: Literal["auto", "jsonl", "json", "parquet"] = "auto"  # auto: by file name
+    shape: Literal["auto", "chat", "proxy", "mapped"] = "auto"  # auto: detected per record
+    fields: FieldMapping = FieldMapping()
+    outcome: OutcomeRule = OutcomeRule()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("path"), str):
+            data = {**data, "path": [data["path"]]}
+        return data
+
+    @model_validator(mode="after")
+    def _one_location(self) -> SourceConfig:
+        given = [k for k in ("path", "s3", "mlflow") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"a source needs exactly one of path, s3, mlflow (got {given or 'none'})")
+        if self.s3 and not self.s3.startswith("s3://"):
+            raise ValueError(f"s3 must look like s3://bucket/prefix (got {self.s3!r})")
+        if self.shape == "mapped" and not self.fields.messages:
+            raise ValueError("shape 'mapped' needs fields.messages: the path of the messages in a record")
+        if self.name is not None and not re.fullmatch(r"[\w./: -]+", self.name):
+            raise ValueError(f"name {self.name!r}: use letters, digits and _ . / : - (it names metrics)")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The name, or one derived from the location that is safe in a metric name."""
+        if self.name:
+            return self.name
+        if self.path:
+            where = ",".join(re.split(r"[*?\[]", p)[0].rstrip("/") or p for p in self.path)
+        else:
+            where = self.s3.removeprefix("s3://").rstrip("/") if self.s3 else f"mlflow:{self.mlflow}"
+        return re.sub(r"[^\w./:-]", "_", where)
+
+
+class RedactionConfig(Section):
+    """What is replaced by a typed placeholder (`<EMAIL>`) before anything is written."""
+
+    kinds: list[RedactionKind] = list(REDACTION_KINDS)
+    patterns: dict[str, str] = {}  # name -> regex; matches become <NAME>
+
+    @model_validator(mode="after")
+    def _patterns_compile(self) -> RedactionConfig:
+        for name, pattern in self.patterns.items():
+            if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+                raise ValueError(f"pattern name {name!r}: use lower_case letters, digits and _")
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"pattern {name!r} is not a valid regex: {err}") from None
+        return self
 
 
 class CollectConfig(Section):
-    sources: list[str] = ["examples/traces/*.jsonl"]
+    # A string is a glob under the project root, `s3://bucket/prefix`, or `mlflow:EXPERIMENT`.
+    sources: list[SourceConfig] = [SourceConfig(path=["examples/traces/*.jsonl"])]
     heldout_fraction: float = Field(0.1, gt=0, lt=1)
     max_bad_fraction: float = Field(0.2, ge=0, le=1)
+    max_record_bytes: int = Field(1_000_000, ge=1024)  # a larger record is quarantined as oversize
+    # Read only what is new since the last run (a watermark per source); false: re-read everything each run.
+    incremental: bool = True
+    redact: RedactionConfig = RedactionConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _source_strings(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("sources"), list):
+            data = {**data, "sources": [_source_from_string(s) if isinstance(s, str) else s
+                                        for s in data["sources"]]}
+        return data
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> CollectConfig:
+        labels = [s.label for s in self.sources]
+        if not labels:
+            raise ValueError("sources is empty: name at least one place traces come from")
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if twice:
+            raise ValueError(f"sources named {twice} more than once: give each source its own `name`")
+        return self
+
+
+def _source_from_string(text: str) -> dict:
+    if text.startswith("s3://"):
+        return {"s3": text}
+    if text.startswith("mlflow:"):
+        return {"mlflow": text.removeprefix("mlflow:")}
+    return {"path": [text]}
 
 
 class SynthesizeConfig(Section):
-    samples_per_task: int = Field(1, ge=1)
+    samples_per_task: int = Field(1, ge=1)  # rejection sampling: n teacher episodes per train task
     temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(512, ge=1)  # per assistant turn
+    keep_best_only: bool = False  # accept at most one passing sample per task (highest reward, then shortest)
+    include_accepted_traces: bool = False  # train traces with outcome 'accepted' become targets too
 
 
 class SFTConfig(Section):
@@ -83,7 +237,7 @@ class RLConfig(Section):
     tasks_per_step: int = Field(16, ge=1)
     group_size: int = Field(4, ge=2)
     temperature: float = Field(1.0, gt=0)
-    lr: float = Field(1e-4, gt=0)
+    lr: float = Field(3e-5, gt=0)  # 2e-4 and above break the tiny student's digit copying (measured)
     clip_eps: float = Field(0.2, gt=0)
     epochs_per_batch: int = Field(2, ge=1)
     minibatch_size: int = Field(32, ge=1)
@@ -103,7 +257,7 @@ class GateConfig(Section):
     # "improve": the bootstrap lower bound of (candidate - champion) must exceed margin;
     # "non_inferior": it must exceed -margin.
     mode: Literal["improve", "non_inferior"] = "non_inferior"
-    margin: float = Field(0.02, ge=0, le=1)
+    margin: float = Field(0.03, ge=0, le=1)
     max_slice_regression: float = Field(0.05, ge=0, le=1)
     bootstrap_samples: int = Field(2000, ge=100)
     confidence: float = Field(0.95, gt=0.5, lt=1)

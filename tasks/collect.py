@@ -1,61 +1,96 @@
-"""Stage collect: production traces in, validated and split; the environment's tasks beside them."""
+"""Stage collect: production traces in from every source (validated, redacted, split); the tasks table beside them."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import pandas as pd
 from prefect import task
 
 from flywheel.config import load_pipeline
-from flywheel.data.catalog import Catalog, content_hash, expand
+from flywheel.data import watermarks
+from flywheel.data.catalog import Catalog
+from flywheel.data.lineage import dvc_md5, log_dataset
+from flywheel.data.redaction import Redactor
+from flywheel.data.schemas import Quarantine, Traces
+from flywheel.data.sources import FileReader, SourceError, readers, remote_fingerprint
 from flywheel.data.tasksets import build_tasks
-from flywheel.data.traces import collect_files
+from flywheel.data.traces import collect as collect_traces
+from flywheel.data.traces import table_rows
 from flywheel.envs import get_environment
 from flywheel.registry import stage_run
 from tasks.caching import by_content
 
 
 class TooManyBadRecords(RuntimeError):
-    """More than max_bad_fraction of the records were quarantined."""
+    """More than max_bad_fraction of the records read were quarantined."""
 
 
-@task(name="collect", cache_key_fn=by_content("collect"), persist_result=True)
-def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dict:
-    """Read the trace sources into the traces table (bad records quarantined) and build the tasks table."""
+def _remote(pipeline: str, root: Path) -> str:
+    return remote_fingerprint(load_pipeline(pipeline, root / "pipelines.yaml").collect, root)
+
+
+_by_content = by_content("collect", extra=_remote)
+
+
+def cache_key(context, parameters: dict) -> str | None:
+    """Local files by content, S3 by its listing's ETags, MLflow by its trace ids and states; `full`: no cache."""
+    if parameters.get("full"):
+        return None
+    try:
+        return _by_content(context, parameters)
+    except SourceError:
+        return None  # unreachable now: run, and let the stage say what is wrong
+
+
+@task(name="collect", cache_key_fn=cache_key, persist_result=True)
+def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, full: bool = False) -> dict:
+    """Read what is new in the trace sources into the traces table (bad records quarantined); build the tasks."""
     root_path = Path(root).resolve()
     cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
     catalog = Catalog(root_path, pipeline)
     env = get_environment(cfg.environment.name)
+    tables = {name: catalog.table_path(name) for name in ("traces", "quarantine")}
     with stage_run(root_path, pipeline, "collect", parent_run_id, cfg.model_dump(include={"collect"})) as run:
-        files = expand(root_path, cfg.collect.sources)
-        if not files:
-            raise FileNotFoundError(f"pipelines.{pipeline}.collect.sources: no file matches "
-                                    f"{cfg.collect.sources} under {root_path}")
-        found = collect_files(files, root_path, cfg.collect.heldout_fraction)
-        total = len(found.traces) + len(found.quarantine) + found.duplicates
-        reasons = Counter(q["kind"] for q in found.quarantine)
-        bad_fraction = len(found.quarantine) / max(total, 1)
-        catalog.write("quarantine", pd.DataFrame(found.quarantine, columns=["source", "location", "kind", "reason", "raw"]))
+        sources = readers(cfg.collect, root_path)
+        for reader in sources:
+            if isinstance(reader, FileReader) and not reader.files():
+                raise FileNotFoundError(f"pipelines.{pipeline}.collect.sources: '{reader.source.label}' matches no "
+                                        f"file ({reader.source.path} under {root_path})")
+        since = None if full else watermarks.load(root_path, pipeline, cfg.collect, tables)
+        previous = (table_rows(catalog.read("traces")), table_rows(catalog.read("quarantine"))) \
+            if since is not None else ([], [])
+        found = collect_traces(sources, cfg.collect, Redactor(cfg.collect.redact), previous, since)
+
+        read, bad = sum(found.records.values()), sum(found.bad.values())
+        bad_fraction = bad / max(read, 1)
+        catalog.write("quarantine", pd.DataFrame(found.quarantine, columns=list(Quarantine.to_schema().columns)))
         if bad_fraction > cfg.collect.max_bad_fraction:
             raise TooManyBadRecords(
-                f"{len(found.quarantine)} of {total} records ({bad_fraction:.0%}) are malformed, over "
-                f"max_bad_fraction {cfg.collect.max_bad_fraction:.0%}; most common: {reasons.most_common(3)}; "
+                f"{bad} of {read} records read ({bad_fraction:.0%}) are malformed, over max_bad_fraction "
+                f"{cfg.collect.max_bad_fraction:.0%}; most common: {found.reasons.most_common(3)}; "
                 f"see {catalog.table_path('quarantine')}")
-        catalog.write("traces", pd.DataFrame(found.traces))
+        traces = pd.DataFrame(found.traces, columns=list(Traces.to_schema().columns))
+        catalog.write("traces", traces)
         tasks = build_tasks(env, cfg.environment, cfg.collect.heldout_fraction, found.traces)
         catalog.write("tasks", pd.DataFrame(tasks))
+        watermarks.save(root_path, pipeline, cfg.collect, tables, found.states)
 
-        traces = pd.DataFrame(found.traces)
-        metrics = {"records": total, "traces": len(found.traces), "quarantined": len(found.quarantine),
-                   "duplicates": found.duplicates, "bad_fraction": bad_fraction,
+        digest = dvc_md5(catalog.stage_dir("collect"))  # what `dvc commit` will record for this output
+        log_dataset(run.run_id, traces, f"{pipeline}-traces", catalog.stage_dir("collect"), digest)
+        metrics = {"records": read, "traces": len(found.traces), "traces_new": sum(found.new.values()),
+                   "quarantined": bad, "quarantine_total": len(found.quarantine), "duplicates": found.duplicates,
+                   "partial_turns": found.partial, "bad_fraction": bad_fraction,
                    "tasks_train": sum(t["split"] == "train" for t in tasks),
                    "tasks_heldout": sum(t["split"] == "heldout" for t in tasks),
                    "tasks_from_traces": sum(t["origin"] == "trace" for t in tasks)}
         metrics |= {f"outcome_{k}": int(v) for k, v in traces["outcome"].value_counts().items()}
-        metrics |= {f"quarantine_{k}": v for k, v in reasons.items()}
+        metrics |= {f"quarantine_{k}": v for k, v in found.reasons.items()}
+        metrics |= {f"redacted_{k}": v for k, v in found.redacted.items()}
+        for label in (reader.source.label for reader in sources):
+            metrics |= {f"source/{label}/records": found.records[label], f"source/{label}/traces": found.new[label],
+                        f"source/{label}/quarantined": found.bad[label]}
         run.metrics(metrics)
-        outputs = {"collect": content_hash([catalog.stage_dir("collect")], root_path)}
-        run.tags({f"flywheel.out.{k}": v for k, v in outputs.items()})
+        outputs = {"collect": digest}
+        run.tags({"flywheel.out.collect": digest, "flywheel.collect.mode": "full" if since is None else "incremental"})
     return {"stage": "collect", "run_id": run.run_id, "metrics": metrics, "outputs": outputs}

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import flywheel
 from flywheel.config import PipelineConfig, load_pipeline
-from flywheel.data.catalog import content_hash, expand
+from flywheel.data.catalog import content_hash
+from flywheel.data.sources import local_files
 
 PACKAGE_ROOT = Path(flywheel.__file__).resolve().parent.parent
 
@@ -24,7 +25,7 @@ class StageSpec:
     def dep_paths(self, root: Path, pipeline: str, cfg: PipelineConfig) -> list[Path]:
         paths = [root / d.format(p=pipeline) for d in self.deps]
         if self.name == "collect":
-            paths += expand(root, cfg.collect.sources)
+            paths += local_files(cfg.collect, root)  # remote sources: see tasks/collect.py cache_key
         return paths
 
     def out_paths(self, root: Path, pipeline: str) -> list[Path]:

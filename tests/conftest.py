@@ -95,3 +95,59 @@ def tiny_student(tmp_path_factory) -> Path:
     corpus = environment_corpus(CalculatorEnv(), n=300, seed=0)
     cfg = TinyModelConfig(hidden_size=32, layers=1, heads=2, vocab_size=400, seed=0)
     return build_tiny_student(corpus, cfg, tmp_path_factory.mktemp("tiny-student"))
+
+
+@pytest.fixture
+def openai_server():
+    """A real OpenAI-compatible HTTP server (the calculator oracle) on a free port, with fault injection."""
+    from openai_server import OracleServer
+
+    with OracleServer(retry_after="0.2", hang_s=3.0) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """moto's S3 server over HTTP on a free port, started once (`moto_server`), stopped at the end."""
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError("moto_server did not start") from None
+            time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}"
+    server.terminate()
+    server.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_bucket(moto_endpoint, monkeypatch, tmp_path):
+    """(boto3 client, bucket name): a fresh bucket in moto's server, reached through the usual AWS variables."""
+    import uuid
+
+    import boto3
+
+    env = {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
+           "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required",
+           # nobody's own ~/.aws settings
+           "AWS_CONFIG_FILE": str(tmp_path / "aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "aws-creds")}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    client = boto3.session.Session().client("s3")
+    bucket = f"traces-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    return client, bucket

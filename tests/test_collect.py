@@ -9,79 +9,206 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from flywheel.config import CollectConfig
 from flywheel.data.catalog import Catalog, DataError
-from flywheel.data.traces import collect_files
+from flywheel.data.redaction import Redactor
+from flywheel.data.sources import readers
+from flywheel.data.traces import collect
 from flywheel.envs.base import prompt_hash, split_of
 
 REPO = Path(__file__).resolve().parent.parent
 CALL = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}
-GOOD = {"messages": [{"role": "user", "content": "What is 2+3?"},
-                     {"role": "assistant", "content": None, "tool_calls": [CALL]},
+CALL2 = {"id": "c2", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'}}
+USER = {"role": "user", "content": "What is 2+3?"}
+GOOD = {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
                      {"role": "tool", "tool_call_id": "c1", "content": "5"},
                      {"role": "assistant", "content": "The answer is 5."}], "outcome": "accepted", "score": 1.0}
 
 
-def _lines(tmp_path: Path, lines: list) -> Path:
-    path = tmp_path / "traces.jsonl"
+def _chat(*messages, **extra) -> dict:
+    return {"messages": list(messages), **extra}
+
+
+def _calls(*calls) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": list(calls)}
+
+
+def _result(call_id: str, content: str = "5") -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+# Every way a record can be bad, with the kind it must be quarantined as (35 records).
+MALFORMED = [
+    (b"{not json", "invalid_json"),
+    (b'{"messages": [{"role": "user", "content": "cut off', "invalid_json"),
+    (b'{"messages": "[{\\"role\\": "}', "invalid_json"),  # JSON text that is not JSON
+    (b"\xff\xfe bad bytes", "not_utf8"),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not_utf8"),  # Latin-1
+    ([1, 2], "wrong_type"),
+    ("just a string", "wrong_type"),
+    (42, "wrong_type"),
+    (_chat(), "empty"),
+    ({"messages": "hello"}, "wrong_type"),
+    (_chat({"role": "robot", "content": "hi"}), "unknown_role"),
+    (_chat({"content": "no role"}), "unknown_role"),
+    (_chat(USER, {"role": "function", "name": "f", "content": "5"}), "unknown_role"),
+    (_chat(USER, _calls(CALL)), "unanswered_tool_call"),
+    (_chat(USER, _calls(CALL), USER, {"role": "assistant", "content": "5"}), "unanswered_tool_call"),
+    (_chat(USER, _calls(CALL, CALL2), _result("c1"), {"role": "assistant", "content": "5"}), "unanswered_tool_call"),
+    (_chat(USER, _result("c1")), "orphan_tool_result"),
+    (_chat(USER, _calls(CALL), _result("zz")), "orphan_tool_result"),
+    (_chat(USER, _calls(CALL), _result("c1"), _result("c1"), {"role": "assistant", "content": "5"}),
+     "orphan_tool_result"),
+    (_chat({"role": "user", "content": 5}), "wrong_type"),
+    (_chat({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}), "wrong_type"),
+    (_chat(USER, "not an object"), "wrong_type"),
+    (_chat(USER, {"role": "assistant", "content": None, "tool_calls": "calculator"}), "wrong_type"),
+    ({**GOOD, "tools": {"name": "calculator"}}, "wrong_type"),
+    ({**GOOD, "score": "high"}, "wrong_type"),
+    ({**GOOD, "score": True}, "wrong_type"),
+    ({**GOOD, "outcome": "great"}, "bad_outcome"),
+    (_chat({"role": "assistant", "content": "hi"}), "no_user_message"),
+    (_chat(USER, _calls({"type": "function", "function": {"name": "calculator"}})), "bad_tool_call"),
+    (_chat(USER, _calls({"id": "c9", "function": {"arguments": "{}"}})), "bad_tool_call"),
+    (_chat(USER, _calls(CALL, CALL)), "bad_tool_call"),
+    (_chat(USER, {"role": "assistant", "content": "x" * 3000}), "oversize"),
+    ({"event": "login", "user": "u1"}, "unknown_shape"),
+    ({"request": {"messages": [USER]}, "response": {"error": "rate limited"}}, "no_response"),
+    (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "score": Infinity}',
+     "schema"),  # json.loads takes it; the pandera contract (finite scores) does not
+]
+
+
+def _lines(tmp_path: Path, lines: list, name: str = "traces.jsonl") -> Path:
+    path = tmp_path / name
     path.write_bytes(b"\n".join(x if isinstance(x, bytes) else json.dumps(x).encode() for x in lines) + b"\n")
     return path
 
 
-@pytest.mark.parametrize("record, kind", [
-    (b"{not json", "invalid_json"),
-    (b"\xff\xfe bad bytes", "not_utf8"),
-    ([1, 2], "wrong_type"),
-    ({"messages": []}, "empty"),
-    ({"messages": "hello"}, "wrong_type"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "unknown_role"),
-    ({"messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "tool_calls": [CALL]}]},
-     "unanswered_tool_call"),
-    ({"messages": [{"role": "user", "content": "2+3?"}, {"role": "tool", "tool_call_id": "x", "content": "5"}]},
-     "orphan_tool_result"),
-    ({"messages": [{"role": "user", "content": 5}]}, "wrong_type"),
-    ({"messages": [{"role": "assistant", "content": "hi"}]}, "no_user_message"),
-    ({**GOOD, "outcome": "great"}, "bad_outcome"),
-])
+def _collect(root: Path, heldout_fraction: float = 0.1, **config):
+    cfg = CollectConfig(**{"sources": ["*.jsonl"], "heldout_fraction": heldout_fraction, "max_record_bytes": 2048,
+                           **config})
+    return collect(readers(cfg, root), cfg, Redactor(cfg.redact))
+
+
+def test_the_corpus_has_every_kind():
+    assert len(MALFORMED) >= 30
+    kinds = {kind for _, kind in MALFORMED}
+    assert kinds >= {"invalid_json", "not_utf8", "wrong_type", "empty", "unknown_role", "unanswered_tool_call",
+                     "orphan_tool_result", "oversize", "bad_outcome", "schema"}
+
+
+@pytest.mark.parametrize("record, kind", MALFORMED, ids=[f"{i}-{k}" for i, (_, k) in enumerate(MALFORMED)])
 def test_malformed_records_are_quarantined_with_their_kind(tmp_path, record, kind):
-    found = collect_files([_lines(tmp_path, [GOOD, record])], tmp_path, 0.1)
+    _lines(tmp_path, [GOOD, record])
+    found = _collect(tmp_path)
     assert len(found.traces) == 1, "the valid neighbour is kept"
-    assert [q["kind"] for q in found.quarantine] == [kind]
-    assert found.quarantine[0]["location"].endswith("traces.jsonl:2")
+    assert [q["kind"] for q in found.quarantine] == [kind], found.quarantine
+    assert found.quarantine[0]["location"] == "traces.jsonl:2"
+    assert found.quarantine[0]["reason"] and found.quarantine[0]["raw"]
 
 
 def test_duplicates_are_dropped_and_split_follows_the_prompt_hash(tmp_path):
-    found = collect_files([_lines(tmp_path, [GOOD, GOOD])], tmp_path, 0.5)
+    _lines(tmp_path, [GOOD, GOOD])
+    found = _collect(tmp_path, 0.5)
     assert len(found.traces) == 1 and found.duplicates == 1
+    assert found.traces[0]["location"] == "traces.jsonl:1", "the earliest copy is kept"
     expected = split_of(prompt_hash(GOOD["messages"][:1]), 0.5)
     assert found.traces[0]["split"] == expected
 
 
-def test_the_example_traces(tmp_path):
-    files = sorted((REPO / "examples/traces").glob("*.jsonl"))
-    found = collect_files(files, REPO, 0.1)
+def test_duplicates_are_found_on_normalised_content(tmp_path):
+    variant = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is 2+3?"}]},
+                            {"role": "assistant", "content": "", "tool_calls": [
+                                {"id": "c1", "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}],
+                             "refusal": None},
+                            {"role": "tool", "tool_call_id": "c1", "content": "5", "name": "calculator"},
+                            {"role": "assistant", "content": "The answer is 5."}],
+               "outcome": "rejected", "timestamp": 1793520000}
+    _lines(tmp_path, [GOOD, variant])
+    found = _collect(tmp_path)
+    assert found.duplicates == 1 and len(found.traces) == 1
+    assert json.loads(found.traces[0]["messages"])[1]["tool_calls"][0]["function"]["arguments"] == \
+        '{"expression": "2+3"}'
+
+
+def test_tool_results_are_paired_with_their_calls_in_call_order(tmp_path):
+    both = _chat(USER, _calls(CALL, CALL2), _result("c2", "2"), _result("c1", "5"),
+                 {"role": "developer", "content": "be brief"}, {"role": "assistant", "content": "5 and 2"})
+    _lines(tmp_path, [both])
+    messages = json.loads(_collect(tmp_path).traces[0]["messages"])
+    assert [m.get("tool_call_id") for m in messages[2:4]] == ["c1", "c2"]
+    assert messages[4] == {"role": "system", "content": "be brief"}
+
+
+def test_the_example_traces():
+    cfg = CollectConfig(sources=["examples/traces/*.jsonl"])
+    found = collect(readers(cfg, REPO), cfg, Redactor(cfg.redact))
     outcomes = {t["outcome"] for t in found.traces}
     assert outcomes == {"accepted", "rejected"}
     assert 4 <= len(found.quarantine) <= 10
     assert {"invalid_json", "unknown_role"} <= {q["kind"] for q in found.quarantine}
+    assert all(t["collected_at"].startswith("2026-11-0") for t in found.traces)
+
+
+def _project(tmp_path: Path, collect_section: str | None = None) -> None:
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    config = (REPO / "tests/conftest.py").read_text().split('SMALL_PIPELINE = """')[1].split('"""')[0]
+    if collect_section:
+        config = "\n".join(f"    collect: {collect_section}" if line.strip().startswith("collect:") else line
+                           for line in config.splitlines())
+    (tmp_path / "pipelines.yaml").write_text(config)
 
 
 def test_collect_stage_writes_valid_tables(tmp_path, mlflow_store):
-    from tasks.collect import TooManyBadRecords, collect
+    from mlflow import MlflowClient
 
-    shutil.copytree(REPO / "examples", tmp_path / "examples")
-    config = (REPO / "tests/conftest.py").read_text().split('SMALL_PIPELINE = """')[1].split('"""')[0]
-    (tmp_path / "pipelines.yaml").write_text(config)
-    result = collect.fn(pipeline="small", root=str(tmp_path))
+    from tasks.collect import TooManyBadRecords
+    from tasks.collect import collect as stage
+
+    _project(tmp_path)
+    result = stage.fn(pipeline="small", root=str(tmp_path))
     catalog = Catalog(tmp_path, "small")
     tasks = catalog.read("tasks")
     assert (tasks["split"] == "train").sum() >= 600 and (tasks["split"] == "heldout").sum() >= 60
     assert set(tasks["origin"]) == {"generated", "trace"}
     assert tasks["task_id"].is_unique
     assert result["metrics"]["quarantined"] == len(catalog.read("quarantine"))
+    assert result["metrics"]["source/examples/traces/records"] == 150
+
+    run = MlflowClient().get_run(result["run_id"])
+    [dataset] = run.inputs.dataset_inputs
+    assert dataset.dataset.digest == result["outputs"]["collect"]
+    assert dataset.dataset.name == "small-traces"
+    assert json.loads(dataset.dataset.profile)["num_rows"] == len(catalog.read("traces"))
 
     (tmp_path / "examples/traces/zz-broken.jsonl").write_text("{broken\n" * 200)
     with pytest.raises(TooManyBadRecords, match="invalid_json"):
-        collect.fn(pipeline="small", root=str(tmp_path))
+        stage.fn(pipeline="small", root=str(tmp_path))
+
+
+def test_no_malformed_record_crashes_the_stage(tmp_path, mlflow_store):
+    from tasks.collect import collect as stage
+
+    _project(tmp_path, "{sources: [logs/*.jsonl], max_bad_fraction: 1.0, max_record_bytes: 2048}")
+    lines = [x for record, _ in MALFORMED for x in (record, GOOD)]
+    (tmp_path / "logs").mkdir()
+    _lines(tmp_path / "logs", lines)
+    result = stage.fn(pipeline="small", root=str(tmp_path))
+    quarantine = Catalog(tmp_path, "small").read("quarantine")
+    expected = {f"traces.jsonl:{2 * i + 1}": kind for i, (_, kind) in enumerate(MALFORMED)}
+    assert dict(zip(quarantine["location"].str.removeprefix("logs/"), quarantine["kind"], strict=True)) == expected
+    assert result["metrics"]["traces"] == 1 and result["metrics"]["duplicates"] == len(MALFORMED) - 1
+    assert result["metrics"]["quarantine_unanswered_tool_call"] == 3
+
+
+def test_the_output_hash_is_the_one_dvc_records(project):
+    from flywheel.data import dvc
+    from tasks.collect import collect as stage
+
+    result = stage.fn(pipeline="small", root=str(project))
+    dvc.commit(project, "collect", "small")
+    assert dvc.lock_hashes(project, "collect", "small")["data/small/collect"] == result["outputs"]["collect"]
 
 
 def test_catalog_refuses_a_table_that_breaks_its_contract(tmp_path):

@@ -13,16 +13,22 @@ class Strict(pa.DataFrameModel):
 
 
 class Traces(Strict):
-    trace_id: Series[str] = pa.Field(unique=True)
-    source: Series[str]
-    location: Series[str]
-    collected_at: Series[str]
-    messages: Series[str]  # JSON text, OpenAI chat format
-    tools: Series[str]  # JSON text, OpenAI function schemas
+    trace_id: Series[str] = pa.Field(unique=True, str_matches=r"^[0-9a-f]{16}$")  # hash of messages + tools
+    record_id: Series[str]  # the source's own id of the record, if it has one
+    source: Series[str]  # the source's name in pipelines.yaml
+    location: Series[str]  # file:line, s3://bucket/key:line, mlflow:experiment/trace id
+    collected_at: Series[str]  # the record's own time, ISO-8601 UTC where it could be read
+    messages: Series[str] = pa.Field(str_startswith="[")  # JSON text, OpenAI chat format
+    tools: Series[str] = pa.Field(str_startswith="[")  # JSON text, OpenAI function schemas
     outcome: Series[str] = pa.Field(isin=["accepted", "rejected", "unknown"])
     score: Series[float] = pa.Field(nullable=True)
     split: Series[str] = pa.Field(isin=["train", "heldout"])
-    metadata: Series[str]
+    metadata: Series[str] = pa.Field(str_startswith="{")  # JSON text: the rest of the record
+
+    @pa.check("score", name="finite")
+    @classmethod
+    def _finite(cls, score: Series[float]) -> Series[bool]:
+        return score.isna() | score.abs().lt(float("inf"))
 
 
 class Quarantine(Strict):

@@ -1,143 +1,263 @@
-"""Production traces from JSONL files in the OpenAI chat format: parsed, checked, normalised or quarantined."""
+"""Traces from every source: checked, normalised, redacted, de-duplicated and split; bad records quarantined."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+import math
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
 
+import pandas as pd
+import pandera.pandas as pa
+
+from flywheel.config import CollectConfig, SourceConfig
+from flywheel.data import schemas
+from flywheel.data.redaction import Redactor
+from flywheel.data.shapes import BadRecord, PartialTurn, extract
 from flywheel.envs.base import prompt_hash, split_of
 
 ROLES = {"system", "user", "assistant", "tool"}
-OUTCOMES = {"accepted", "rejected", "unknown"}
+_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+QUARANTINE_RAW_CHARS = 10_000
+
+__all__ = ["BadRecord", "Collected", "Reader", "collect", "normalise_messages", "to_trace"]
 
 
-class BadRecord(ValueError):
-    """A record that cannot become a trace: a short kind (counted) and a reason (kept with the record)."""
+class Reader(Protocol):
+    """A source of records: (location, raw text or None, record or the reason it is not one)."""
 
-    def __init__(self, kind: str, reason: str):
-        super().__init__(reason)
-        self.kind = kind
+    source: SourceConfig
+    state: dict  # the watermark after read() is exhausted: what the next incremental run skips
+
+    def read(self, since: dict | None) -> Iterator[tuple[str, str | None, dict | BadRecord]]:
+        """Every record (since=None), or only those after the watermark `since`."""
+        ...
 
 
 @dataclass
 class Collected:
+    """The traces and quarantine tables after this run, and what this run read, per source and kind."""
+
     traces: list[dict]
     quarantine: list[dict]
+    records: Counter = field(default_factory=Counter)  # per source: records read this run
+    new: Counter = field(default_factory=Counter)  # per source: traces added to the table
+    bad: Counter = field(default_factory=Counter)  # per source: records quarantined
+    reasons: Counter = field(default_factory=Counter)  # per kind
+    redacted: Counter = field(default_factory=Counter)  # per kind
     duplicates: int = 0
+    partial: int = 0
+    states: dict[str, dict] = field(default_factory=dict)
 
 
-def read_jsonl(path: Path, root: Path) -> Iterator[tuple[str, str, dict | BadRecord]]:
-    """(location, raw line, record or the reason it is not one) for every non-empty line of a JSONL file."""
-    name = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
-    with path.open("rb") as handle:
-        for number, raw_bytes in enumerate(handle, start=1):
-            location = f"{name}:{number}"
-            try:
-                raw = raw_bytes.decode("utf-8")
-            except UnicodeDecodeError:
-                yield location, raw_bytes.decode("utf-8", "replace"), BadRecord("not_utf8", "not UTF-8")
-                continue
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except json.JSONDecodeError as err:
-                yield location, raw, BadRecord("invalid_json", f"invalid JSON: {err.msg}")
-                continue
-            if not isinstance(record, dict):
-                yield location, raw, BadRecord("wrong_type", "record is not a JSON object")
-                continue
-            yield location, raw, record
-
-
-def check_messages(messages) -> list[dict]:
-    """Validate a conversation: known roles, every tool call answered by id and every tool result called."""
+def normalise_messages(messages) -> list[dict]:
+    """OpenAI chat messages with only the keys that matter, each tool call answered by id, in call order."""
     if not isinstance(messages, list):
         raise BadRecord("wrong_type", "messages is not a list")
     if not messages:
         raise BadRecord("empty", "empty conversation")
-    pending: dict[str, str] = {}
-    seen_calls: set[str] = set()
+    out: list[dict] = []
+    pending: dict[str, int] = {}  # call id -> its position among the open calls
+    results: list[dict] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRecord("wrong_type", f"message {i} is not an object")
         role = message.get("role")
+        role = _ROLE_ALIASES.get(role, role)
         if role not in ROLES:
             raise BadRecord("unknown_role", f"message {i} has unknown role {role!r}")
-        content = message.get("content")
-        if content is not None and not isinstance(content, str):
-            raise BadRecord("wrong_type", f"message {i} content is not text")
-        if role == "assistant":
-            for call in message.get("tool_calls") or []:
-                if not isinstance(call, dict) or "id" not in call or "name" not in call.get("function", {}):
-                    raise BadRecord("bad_tool_call", f"message {i} has a tool call without id or function name")
-                pending[call["id"]] = call["function"]["name"]
-                seen_calls.add(call["id"])
-        elif role == "tool":
+        if role == "tool":
             call_id = message.get("tool_call_id")
-            if call_id not in seen_calls:
-                raise BadRecord("orphan_tool_result", f"message {i} is a tool result without a matching call ({call_id!r})")
-            pending.pop(call_id, None)
-        elif pending:
-            raise BadRecord("unanswered_tool_call", f"tool call {next(iter(pending))!r} has no result before message {i}")
+            if call_id not in pending:
+                raise BadRecord("orphan_tool_result", f"message {i} is a tool result without a matching call "
+                                                      f"({call_id!r})")
+            results.append({"role": "tool", "tool_call_id": call_id, "content": _text(message.get("content"), i)})
+            continue
+        if pending:
+            _close(out, pending, results, before=i)
+        content = _text(message.get("content"), i)
+        if role == "assistant" and message.get("tool_calls"):
+            calls = [_call(call, i) for call in _list(message["tool_calls"], f"message {i} tool_calls")]
+            pending = {call["id"]: n for n, call in enumerate(calls)}
+            if len(pending) < len(calls):
+                raise BadRecord("bad_tool_call", f"message {i} has two tool calls with one id")
+            out.append({"role": role, "content": content or None, "tool_calls": calls})
+        else:
+            out.append({"role": role, "content": content})
     if pending:
-        raise BadRecord("unanswered_tool_call", f"tool call {next(iter(pending))!r} has no result")
-    if not any(m["role"] == "user" for m in messages):
+        _close(out, pending, results, before=None)
+    if not any(m["role"] == "user" for m in out):
         raise BadRecord("no_user_message", "conversation has no user message")
-    return messages
+    return out
 
 
-def to_trace(record: dict, source: str, location: str, heldout_fraction: float) -> dict:
-    """One traces-table row from a chat-format record; raise BadRecord with the reason otherwise."""
-    messages = check_messages(record.get("messages"))
-    tools = record.get("tools") or []
-    if not isinstance(tools, list):
-        raise BadRecord("wrong_type", "tools is not a list")
-    outcome = record.get("outcome", "unknown")
-    if outcome not in OUTCOMES:
-        raise BadRecord("bad_outcome", f"outcome {outcome!r} is not one of {sorted(OUTCOMES)}")
-    score = record.get("score")
-    if score is not None and not isinstance(score, int | float):
-        raise BadRecord("wrong_type", "score is not a number")
-    body = json.dumps({"messages": messages, "tools": tools}, sort_keys=True, ensure_ascii=False)
+def _close(out: list[dict], pending: dict[str, int], results: list[dict], before: int | None) -> None:
+    # The results of one assistant turn, in the order of its calls (logs often write them as they finish).
+    answered = {r["tool_call_id"] for r in results}
+    missing = [c for c in pending if c not in answered]
+    if missing:
+        where = f"before message {before}" if before is not None else "at the end"
+        raise BadRecord("unanswered_tool_call", f"tool call {missing[0]!r} has no result {where}")
+    if len(results) > len(pending):
+        raise BadRecord("orphan_tool_result", f"tool call {results[0]['tool_call_id']!r} has two results")
+    out.extend(sorted(results, key=lambda r: pending[r["tool_call_id"]]))
+    pending.clear()
+    results.clear()
+
+
+def _text(content, i: int) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRecord("wrong_type", f"message {i} has a content part that is not text ({kind!r})")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise BadRecord("wrong_type", f"message {i} content is not text")
+
+
+def _list(value, what: str) -> list:
+    if not isinstance(value, list):
+        raise BadRecord("wrong_type", f"{what} is not a list")
+    return value
+
+
+def _call(call, i: int) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not call.get("id") or not isinstance(function.get("name"), str):
+        raise BadRecord("bad_tool_call", f"message {i} has a tool call without id or function name")
+    arguments = function.get("arguments")
+    if arguments is None:
+        arguments = "{}"
+    elif not isinstance(arguments, str):  # some loggers keep the parsed object
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": str(call["id"]), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConfig, redactor: Redactor,
+             raw: str | None = None) -> dict:
+    """One traces-table row, redacted; raise BadRecord with the reason otherwise (PartialTurn: skip it).
+
+    `raw`, the record's JSON text, lets a record with nothing to redact skip the string-by-string search.
+    """
+    parts = extract(record, source)
+    scrub = redactor.value if raw is None or redactor.needed(raw) else _same
+    messages = scrub(normalise_messages(parts.messages))
+    tools = scrub(_list(parts.tools, "tools"))
+    metadata = scrub(parts.metadata)
+    messages_text = json.dumps(messages, ensure_ascii=False)
+    tools_text = json.dumps(tools, ensure_ascii=False)
+    metadata_text = json.dumps(metadata, sort_keys=True, ensure_ascii=False, default=str)
+    size = len(messages_text) + len(tools_text) + len(metadata_text)
+    if size > cfg.max_record_bytes:
+        raise BadRecord("oversize", f"record is {size} characters, over max_record_bytes {cfg.max_record_bytes}")
+    body = f'{{"messages": {messages_text}, "tools": {tools_text}}}'
     prompt = messages[: next(i for i, m in enumerate(messages) if m["role"] == "user") + 1]
-    metadata = {k: v for k, v in record.items() if k not in {"messages", "tools", "outcome", "score"}}
     return {
         "trace_id": hashlib.sha256(body.encode()).hexdigest()[:16],
-        "source": source,
+        "record_id": scrub(parts.record_id),
+        "source": source.label,
         "location": location,
         # the record's own time; never the clock, so a rerun writes the same bytes
-        "collected_at": str(record.get("timestamp") or ""),
-        "messages": json.dumps(messages, ensure_ascii=False),
-        "tools": json.dumps(tools, ensure_ascii=False),
-        "outcome": outcome,
-        "score": float(score) if score is not None else None,
-        "split": split_of(prompt_hash(prompt), heldout_fraction),
-        "metadata": json.dumps(metadata, sort_keys=True, default=str),
+        "collected_at": parts.time,
+        "messages": messages_text,
+        "tools": tools_text,
+        "outcome": parts.outcome,
+        "score": parts.score,
+        "split": split_of(prompt_hash(prompt), cfg.heldout_fraction),
+        "metadata": metadata_text,
     }
 
 
-def collect_files(paths: list[Path], root: Path, heldout_fraction: float) -> Collected:
-    """Every record of every file: valid ones normalised and de-duplicated, the rest quarantined with reasons."""
-    out = Collected([], [])
-    seen: set[str] = set()
-    for path in paths:
-        source = f"file:{path.relative_to(root) if path.is_relative_to(root) else path}"
-        for location, raw, record in read_jsonl(path, root):
+def _same(value):
+    return value
+
+
+def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
+            previous: tuple[list[dict], list[dict]] = ([], []), since: dict[str, dict] | None = None) -> Collected:
+    """Previous rows plus every record the readers yield (after their watermarks in `since`, if given).
+
+    The result does not depend on which records came in which run: duplicates keep the earliest row and both
+    tables are sorted, so an incremental run writes the same tables as a full re-collect of the same records.
+    """
+    found = Collected([], [])
+    rows: list[dict] = []
+    bad: list[dict] = []
+    for reader in readers:
+        label = reader.source.label
+        for location, raw, record in reader.read(None if since is None else since.get(label)):
+            found.records[label] += 1
             try:
                 if isinstance(record, BadRecord):
                     raise record
-                trace = to_trace(record, source, location, heldout_fraction)
-            except BadRecord as bad:
-                out.quarantine.append({"source": source, "location": location, "kind": bad.kind,
-                                       "reason": str(bad), "raw": raw[:10_000]})
+                rows.append(to_trace(record, reader.source, location, cfg, redactor, raw))
+            except PartialTurn:
+                found.partial += 1
+            except BadRecord as why:
+                if raw is None:
+                    raw = json.dumps(record, ensure_ascii=False, default=str)
+                bad.append({"source": label, "location": location, "kind": why.kind,
+                            "reason": redactor.text(str(why)), "raw": redactor.text(raw)[:QUARANTINE_RAW_CHARS]})
+        found.states[label] = reader.state
+    rows, invalid = _schema_check(rows)
+    bad += invalid
+
+    best = {row["trace_id"]: row for row in previous[0]}
+    for row in rows:
+        kept = best.get(row["trace_id"])
+        if kept is not None:
+            found.duplicates += 1
+            if _order(row) >= _order(kept):
                 continue
-            if trace["trace_id"] in seen:
-                out.duplicates += 1
-            else:
-                seen.add(trace["trace_id"])
-                out.traces.append(trace)
-    return out
+        best[row["trace_id"]] = row
+    found.traces = sorted(best.values(), key=_order)
+    fresh = {id(row) for row in rows}
+    found.new = Counter(row["source"] for row in found.traces if id(row) in fresh)
+    unique = {tuple(q[k] for k in ("source", "location", "kind", "reason", "raw")): q for q in previous[1] + bad}
+    found.quarantine = sorted(unique.values(), key=lambda q: (q["source"], *_place(q["location"]), q["kind"],
+                                                              q["reason"], q["raw"]))
+    found.bad = Counter(q["source"] for q in bad)
+    found.reasons = Counter(q["kind"] for q in bad)
+    found.redacted = Counter(redactor.counts)
+    return found
+
+
+def _schema_check(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The traces contract checked on the new rows (lazily: every failure); rows that break it are quarantined."""
+    if not rows:
+        return rows, []
+    schema = schemas.Traces.to_schema().update_column("trace_id", unique=False)  # duplicates are merged later
+    try:
+        schema.validate(pd.DataFrame(rows), lazy=True)
+        return rows, []
+    except pa.errors.SchemaErrors as err:
+        cases = err.failure_cases.dropna(subset=["index"])
+    why: dict[int, list[str]] = {}
+    for case in cases.itertuples():
+        why.setdefault(int(case.index), []).append(f"{case.column}: {case.check} (got {case.failure_case!r})")
+    good = [row for i, row in enumerate(rows) if i not in why]
+    quarantined = [{"source": rows[i]["source"], "location": rows[i]["location"], "kind": "schema",
+                    "reason": "; ".join(reasons), "raw": json.dumps(rows[i], default=str)[:QUARANTINE_RAW_CHARS]}
+                   for i, reasons in sorted(why.items())]
+    return good, quarantined
+
+
+def _place(location: str) -> tuple[str, int]:
+    head, _, tail = location.rpartition(":")
+    return (head, int(tail)) if tail.isdigit() else (location, 0)
+
+
+def _order(row: dict) -> tuple:
+    return (row["collected_at"], row["source"], *_place(row["location"]), row["trace_id"])
+
+
+def table_rows(frame: pd.DataFrame) -> list[dict]:
+    """A table read back as rows like the ones collect() makes (nulls as None)."""
+    return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+            for row in frame.to_dict("records")]

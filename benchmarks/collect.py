@@ -1,0 +1,114 @@
+"""The whole collect stage against a bare `json.loads` loop over the same generated records, side by side.
+
+    .venv/bin/python benchmarks/collect.py [--records 200000] [--pipeline demo]
+
+Writes N production-like records (tool-using calculator conversations in OpenAI chat format, ~5% carrying an
+email, phone number or API key, ~2% duplicates, ~0.5% malformed) as JSON Lines in a temporary project, then
+times `json.loads` over every line, the collect stage in full (read, check, normalise, redact, de-duplicate,
+split, pandera, Parquet, the tasks table, MLflow), and an incremental rerun with nothing new. The last line is
+one JSON object with both rates and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.make_traces import conversation
+from flywheel.envs.calculator import CalculatorEnv
+
+PII = ["My email is {}@example.com.", "Call me on +1 415-555-{:04d}.", "key sk-proj-{}abcdefghijklmnopqrstu"]
+
+
+def write_records(path: Path, n: int, seed: int = 0) -> None:
+    """n JSON lines, chunked into one file per 50k records (a day of logs)."""
+    rng = random.Random(seed)
+    env = CalculatorEnv()
+    tools = env.tools()
+    clock = datetime(2026, 11, 1, 8)
+    lines: list[str] = []
+    for i in range(n):
+        if lines and rng.random() < 0.02:
+            lines.append(rng.choice(lines[-1000:]))  # a retried upload
+            continue
+        a, b, op = rng.randint(2, 99), rng.randint(2, 99), rng.choice("+-*")
+        expression = f"{a} {op} {b}"
+        outcome = "accepted" if rng.random() < 0.75 else "rejected"
+        messages = conversation(env, rng, expression, int(env.call_tool("calculator", {"expression": expression})),
+                                outcome)
+        if rng.random() < 0.05:
+            messages[0]["content"] += " " + rng.choice(PII).format(i % 10_000)
+        clock += timedelta(seconds=rng.randint(1, 30))
+        record = {"id": f"tr_{i:08d}", "timestamp": clock.strftime("%Y-%m-%dT%H:%M:%SZ"), "messages": messages,
+                  "tools": tools, "outcome": outcome, "score": 1.0 if outcome == "accepted" else 0.0}
+        text = json.dumps(record)
+        lines.append(text[: len(text) // 2] if rng.random() < 0.005 else text)
+    for part in range(0, n, 50_000):
+        (path / f"agent-{part // 50_000:03d}.jsonl").write_text("\n".join(lines[part:part + 50_000]) + "\n")
+
+
+def main() -> None:
+    """Generate, time json.loads, time the stage (full, then an incremental rerun), print the figures."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=200_000)
+    parser.add_argument("--pipeline", default="demo")
+    args = parser.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="bench-collect-"))
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "pipelines.yaml").read_text())
+    pipeline = config["pipelines"][args.pipeline]
+    pipeline["collect"]["sources"] = ["logs/*.jsonl"]
+    (root / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {args.pipeline: pipeline}}))
+    (root / "logs").mkdir()
+    started = time.perf_counter()
+    write_records(root / "logs", args.records)
+    size = sum(p.stat().st_size for p in (root / "logs").iterdir())
+    print(f"wrote {args.records} records ({size / 1e6:.0f} MB) in {time.perf_counter() - started:.1f}s", flush=True)
+
+    started = time.perf_counter()
+    parsed = 0
+    for path in sorted((root / "logs").iterdir()):
+        with path.open("rb") as handle:
+            for line in handle:
+                try:
+                    json.loads(line)
+                    parsed += 1
+                except json.JSONDecodeError:
+                    pass
+    bare_s = time.perf_counter() - started
+    print(f"json.loads: {bare_s:.2f}s for {args.records} lines", flush=True)
+
+    from tasks.collect import collect  # after MLFLOW_TRACKING_URI is set
+
+    started = time.perf_counter()
+    result = collect.fn(pipeline=args.pipeline, root=str(root))
+    stage_s = time.perf_counter() - started
+    m = result["metrics"]
+    print(f"collect stage: {stage_s:.2f}s: {m['traces']} traces, {m['quarantined']} quarantined, "
+          f"{m['duplicates']} duplicates, redacted {({k: v for k, v in m.items() if k.startswith('redacted_')})}",
+          flush=True)
+    started = time.perf_counter()
+    collect.fn(pipeline=args.pipeline, root=str(root))
+    rerun_s = time.perf_counter() - started
+    print(f"incremental rerun with nothing new: {rerun_s:.2f}s", flush=True)
+    print(json.dumps({"records": args.records, "json_loads_records_per_s": round(args.records / bare_s),
+                      "collect_stage_records_per_s": round(args.records / stage_s),
+                      "ratio_json_loads_to_stage": round(stage_s / bare_s, 1),
+                      "incremental_rerun_s": round(rerun_s, 2)}))
+
+
+if __name__ == "__main__":
+    main()

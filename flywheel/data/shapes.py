@@ -1,0 +1,185 @@
+"""Record shapes: OpenAI chat records, a proxy's request/response logs, or any format through a field mapping."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from flywheel.config import OutcomeRule, SourceConfig
+
+
+class BadRecord(ValueError):
+    """A record that cannot become a trace: a short kind (counted) and a reason (kept with the record)."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind = kind
+
+
+class PartialTurn(Exception):
+    """A proxy log of a call that ended in tool calls: the next call's log holds the whole turn."""
+
+
+@dataclass
+class Parts:
+    """What a record says, before the messages are checked and normalised."""
+
+    messages: object
+    tools: object
+    outcome: str
+    score: float | None
+    record_id: str
+    time: str
+    metadata: dict
+
+
+_MISSING = object()
+# Where each part is when the config does not say: candidates in order, the first present wins.
+_DEFAULTS = {
+    "chat": {"messages": ["messages"], "tools": ["tools"], "outcome": ["outcome"], "score": ["score"],
+             "id": ["id"], "time": ["timestamp"]},
+    "proxy": {"messages": ["request.messages"], "tools": ["request.tools"], "outcome": ["outcome"],
+              "score": ["score"], "id": ["id", "response.id"], "time": ["timestamp", "response.created"]},
+}
+_DEFAULTS["mapped"] = _DEFAULTS["chat"]
+
+
+def get_path(record, path: str):
+    """The value at a dotted path (`request.messages`, `choices.0.message`), or _MISSING."""
+    node = record
+    for part in path.split("."):
+        if isinstance(node, dict):
+            node = node.get(part, _MISSING)
+        elif isinstance(node, list) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+        if node is _MISSING:
+            return _MISSING
+    return node
+
+
+def shape_of(record: dict, source: SourceConfig) -> str:
+    """The shape the source names, else the one this record has."""
+    if source.shape != "auto":
+        return source.shape
+    if source.fields.messages:
+        return "mapped"
+    if "messages" in record:
+        return "chat"
+    if isinstance(record.get("request"), dict) and "response" in record:
+        return "proxy"
+    raise BadRecord("unknown_shape", "neither chat (`messages`) nor a proxy log (`request`/`response`); "
+                                     "name the fields in the source's `fields:` mapping")
+
+
+def extract(record: dict, source: SourceConfig) -> Parts:
+    """The parts of one record; raise BadRecord, or PartialTurn for a proxy call that ended in tool calls."""
+    shape = shape_of(record, source)
+    where = {name: ([given] if (given := getattr(source.fields, name)) else default)
+             for name, default in _DEFAULTS[shape].items()}
+    found = {name: _first(record, paths) for name, paths in where.items()}
+    consumed = [paths[0] for name, paths in where.items() if name not in ("id", "time")]
+
+    messages = _json_text(found["messages"], where["messages"][0])
+    if messages is _MISSING:
+        raise BadRecord("missing_field", f"no messages at '{where['messages'][0]}'")
+    if shape == "proxy" and not source.fields.messages:
+        if not isinstance(messages, list):
+            raise BadRecord("wrong_type", "request.messages is not a list")
+        reply = get_path(record, "response.choices.0.message")
+        if not isinstance(reply, dict):
+            raise BadRecord("no_response", "the response has no choices[0].message (a failed call?)")
+        if reply.get("tool_calls"):
+            raise PartialTurn()
+        messages = [*messages, reply]
+        consumed.append("response.choices")
+    tools = _json_text(found["tools"], where["tools"][0])
+    score = found["score"]
+    if score is _MISSING or score is None:
+        score = None
+    elif isinstance(score, bool) or not isinstance(score, int | float):
+        raise BadRecord("wrong_type", f"score at '{where['score'][0]}' is not a number ({score!r})")
+    return Parts(messages=messages, tools=[] if tools is _MISSING or tools is None else tools,
+                 outcome=outcome_of(found["outcome"], score, source.outcome, where["outcome"][0]),
+                 score=float(score) if score is not None else None,
+                 record_id="" if found["id"] in (_MISSING, None) else str(found["id"]),
+                 time=timestamp(found["time"]), metadata=_without(record, consumed))
+
+
+def outcome_of(value, score: float | None, rule: OutcomeRule, path: str) -> str:
+    """accepted/rejected/unknown: the field's value when it has one, else the score against the threshold."""
+    if value is _MISSING or value is None:
+        if rule.score_threshold is not None and score is not None:
+            return "accepted" if score >= rule.score_threshold else "rejected"
+        return "unknown"
+    for outcome, values in (("accepted", rule.accepted), ("rejected", rule.rejected), ("unknown", rule.unknown)):
+        if any(_same(value, v) for v in values):
+            return outcome
+    raise BadRecord("bad_outcome", f"{path} is {value!r}: not one of accepted {rule.accepted}, rejected "
+                                   f"{rule.rejected}, unknown {rule.unknown} (the source's `outcome:` rule)")
+
+
+def timestamp(value) -> str:
+    """ISO-8601 UTC from epoch seconds or milliseconds or an ISO string; other text as it is; '' if none."""
+    if value is _MISSING or value is None or value == "":
+        return ""
+    try:
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            moment = datetime.fromtimestamp(value / 1000 if value > 1e11 else value, UTC)
+        elif isinstance(value, str):
+            moment = datetime.fromisoformat(value.strip())
+            moment = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+        else:
+            return str(value)
+    except (ValueError, OverflowError, OSError):
+        return str(value)
+    text = moment.isoformat(timespec="milliseconds" if moment.microsecond else "seconds")
+    return text.removesuffix("+00:00") + "Z"
+
+
+def _first(record, paths: list[str]):
+    for path in paths:
+        value = get_path(record, path)
+        if value is not _MISSING:
+            return value
+    return _MISSING
+
+
+def _json_text(value, path: str):
+    # Tables (Parquet, our own traces table) keep messages and tools as JSON text.
+    if isinstance(value, str):
+        if not value.lstrip().startswith(("[", "{")):
+            raise BadRecord("wrong_type", f"'{path}' is text, not a list")
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as err:
+            raise BadRecord("invalid_json", f"'{path}' is text but not JSON: {err.msg}") from None
+    return value
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, str) and isinstance(b, str):
+        return a.casefold() == b.casefold()
+    return a == b
+
+
+def _without(record: dict, paths: list[str]) -> dict:
+    """A copy of the record without the values at these paths (dicts along a path copied, nothing else)."""
+    out = dict(record)
+    for path in paths:
+        *parents, leaf = path.split(".")
+        node = out
+        for part in parents:
+            child = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(child, dict):
+                break
+            node[part] = node = dict(child)
+        else:
+            if isinstance(node, dict):
+                node.pop(leaf, None)
+    return out

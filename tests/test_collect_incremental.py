@@ -1,0 +1,99 @@
+"""Incremental collection: a watermark per source, only new records read, the same tables as a full re-collect."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from flywheel.config import CollectConfig
+from flywheel.data import watermarks
+from flywheel.data.catalog import Catalog
+from flywheel.data.lineage import dvc_md5
+from flywheel.data.redaction import Redactor
+from flywheel.data.sources import FileReader
+from flywheel.data.traces import collect
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _record(n: int) -> str:
+    return json.dumps({"id": f"r{n}", "timestamp": f"2026-11-0{1 + n % 3}T08:00:{n % 60:02d}Z",
+                       "messages": [{"role": "user", "content": f"What is {n} + {n}?"},
+                                    {"role": "assistant", "content": f"{2 * n}"}],
+                       "outcome": "accepted" if n % 2 else "rejected"})
+
+
+def _append(path: Path, lines: list[str], newline: bool = True) -> None:
+    with path.open("a") as handle:
+        handle.write("\n".join(lines) + ("\n" if newline else ""))
+
+
+def test_a_file_reader_resumes_where_it_stopped(tmp_path):
+    log = tmp_path / "a.jsonl"
+    _append(log, [_record(1), _record(2)])
+    _append(log, [_record(3)], newline=False)  # still being written
+    cfg = CollectConfig(sources=["*.jsonl"])
+    reader = FileReader(cfg.sources[0], tmp_path, cfg.max_record_bytes)
+    assert [loc for loc, _, _ in reader.read(None)] == ["a.jsonl:1", "a.jsonl:2", "a.jsonl:3"]
+    first = reader.state
+    assert first["files"]["a.jsonl"]["lines"] == 2, "the unfinished line is read again next time"
+    _append(log, ["", "", _record(4)])
+    assert [loc for loc, _, _ in reader.read(first)] == ["a.jsonl:3", "a.jsonl:5"]
+    assert list(reader.read(reader.state)) == []
+    log.write_text(_record(9) + "\n")  # rewritten, not appended: read from the start
+    assert [loc for loc, _, _ in reader.read(first)] == ["a.jsonl:1"]
+
+
+def test_incremental_and_full_collects_write_the_same_tables(tmp_path):
+    cfg = CollectConfig(sources=["*.jsonl"])
+    _append(tmp_path / "b.jsonl", [_record(n) for n in range(10)] + ["{bad"])
+
+    def run(previous=([], []), since=None):
+        return collect([FileReader(cfg.sources[0], tmp_path, cfg.max_record_bytes)], cfg, Redactor(cfg.redact),
+                       previous, since)
+
+    first = run()
+    _append(tmp_path / "b.jsonl", [_record(n) for n in range(8, 14)])  # two repeats, four new
+    _append(tmp_path / "a.jsonl", [_record(20), "{bad"])  # a new file that sorts first
+    second = run((first.traces, first.quarantine), first.states)
+    assert sum(second.records.values()) == 8 and second.duplicates == 2
+    full = run()
+    assert second.traces == full.traces and second.quarantine == full.quarantine
+    assert len(full.traces) == 15
+
+
+def test_the_stage_reads_only_new_records_and_stays_reproducible(tmp_path, mlflow_store):
+    from tasks.collect import collect as stage
+
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    config = (REPO / "tests/conftest.py").read_text().split('SMALL_PIPELINE = """')[1].split('"""')[0]
+    (tmp_path / "pipelines.yaml").write_text(config)
+    catalog = Catalog(tmp_path, "small")
+    first = stage.fn(pipeline="small", root=str(tmp_path))
+    assert first["metrics"]["records"] == 150
+    state = watermarks.state_path(tmp_path, "small")
+    assert state.exists() and not state.is_relative_to(catalog.stage_dir("collect")), \
+        "watermarks are project state, not part of the DVC output"
+
+    rerun = stage.fn(pipeline="small", root=str(tmp_path))
+    assert rerun["metrics"]["records"] == 0 and rerun["outputs"] == first["outputs"], "nothing new: same bytes"
+
+    log = tmp_path / "examples/traces/support-agent-2026-11-03.jsonl"
+    _append(log, [_record(n) for n in range(5)])
+    second = stage.fn(pipeline="small", root=str(tmp_path))
+    assert second["metrics"]["records"] == 5 and second["metrics"]["traces_new"] == 5
+    assert second["metrics"]["traces"] == first["metrics"]["traces"] + 5, "the table keeps earlier traces"
+
+    full = stage.fn(pipeline="small", root=str(tmp_path), full=True)
+    assert full["metrics"]["records"] == 155
+    assert full["outputs"] == second["outputs"] == {"collect": dvc_md5(catalog.stage_dir("collect"))}
+
+    # outputs that are not the ones the watermark was written with (a `dvc checkout`, a removed folder): full
+    shutil.rmtree(catalog.stage_dir("collect"))
+    assert stage.fn(pipeline="small", root=str(tmp_path))["metrics"]["records"] == 155
+    # a changed collect config: full
+    (tmp_path / "pipelines.yaml").write_text(config.replace("heldout_fraction: 0.1, max_bad", "heldout_fraction: 0.2, "
+                                                                                              "max_bad"))
+    changed = stage.fn(pipeline="small", root=str(tmp_path))
+    assert changed["metrics"]["records"] == 155 and changed["outputs"] != full["outputs"]

@@ -1,0 +1,101 @@
+"""Redaction: each kind replaced by its typed placeholder and counted, everywhere a trace is written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flywheel.config import CollectConfig, RedactionConfig
+from flywheel.data.redaction import Redactor
+from flywheel.data.sources import readers
+from flywheel.data.traces import collect
+
+GITHUB = "ghp_" + "A1b2C3d4" * 5
+
+
+@pytest.mark.parametrize("kind, text", [
+    ("email", "write to jane.doe+billing@example.co.uk today"),
+    ("phone", "call +1 415-555-0123"),
+    ("phone", "or (415) 555-0123"),
+    ("phone", "or +44 20 7946 0958"),
+    ("phone", "or +14155550123"),
+    ("credit_card", "card 4111 1111 1111 1111 exp 12/29"),
+    ("credit_card", "card 5500-0000-0000-0004"),
+    ("credit_card", "card 378282246310005"),
+    ("ip_address", "from 192.168.10.254 at noon"),
+    ("ip_address", "from 2001:db8:85a3::8a2e:370:7334"),
+    ("api_key", "OPENAI_API sk-proj-Abcdefghijklmnopqrstuvwx12"),
+    ("api_key", "aws AKIAIOSFODNN7EXAMPLE"),
+    ("api_key", f"gh {GITHUB}"),
+    ("api_key", "stripe sk_live_4eC39HqLyjWDarjtT1zdp7dc"),
+    ("api_key", "google AIzaSyA-1234567890abcdefghijklmnopqrstu"),
+    ("api_key", "hub hf_abcdefghijklmnopqrstuvwxyzABCDEFGH"),
+    ("token", "jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"),
+    ("token", "Authorization: Bearer abcdef0123456789ABCDEF"),
+    ("token", "slack xoxb-123456789012-abcdefABCDEF"),
+    ("token", "password=hunter2hunter2"),
+    ("private_key", "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXk\n-----END OPENSSH PRIVATE KEY-----"),
+])
+def test_each_kind_becomes_its_placeholder(kind, text):
+    redactor = Redactor(RedactionConfig())
+    out = redactor.text(text)
+    assert f"<{kind.upper()}>" in out, out
+    assert dict(redactor.counts) == {kind: 1}
+
+
+@pytest.mark.parametrize("text", [
+    "What is 80 * (72 * 54)? 80*(72*54) = 311040, and 41 + 65 = 106.",
+    "It was 2026-11-01T08:04:16Z, version 3.14.159, 4111111111111112 (not a card), ratio 1:2:3",
+    "call_vlrLNve6ZOpFj206yx1D4WMh and id 550e8400-e29b-41d4-a716-446655440000",
+    "the key idea, a secret garden, tokens: 12",
+])
+def test_ordinary_text_is_left_alone(text):
+    redactor = Redactor(RedactionConfig())
+    assert redactor.text(text) == text and not redactor.counts
+
+
+def test_custom_patterns_and_chosen_kinds():
+    redactor = Redactor(RedactionConfig(kinds=["email"], patterns={"ticket": r"(?i)tkt-\d{5}"}))
+    assert redactor.text("tkt-12345 from a@b.io, 10.0.0.1") == "<TICKET> from <EMAIL>, 10.0.0.1"
+    assert dict(redactor.counts) == {"ticket": 1, "email": 1}
+
+
+def test_an_assignment_keeps_its_name_and_a_known_key_keeps_its_kind():
+    redactor = Redactor(RedactionConfig())
+    assert redactor.text('{"api_key": "sk-abcdefghijklmnopqrstuvwx"}') == '{"api_key": "<API_KEY>"}'
+    assert redactor.text("token: s3cr3t-v4lue-xyz") == "token: <TOKEN>"
+
+
+def test_nothing_written_keeps_a_secret(tmp_path):
+    record = {"id": "jane@example.com",
+              "messages": [{"role": "user", "content": "I'm jane@example.com, card 4111 1111 1111 1111"},
+                           {"role": "assistant", "content": None, "tool_calls": [
+                               {"id": "c1", "type": "function",
+                                "function": {"name": "lookup", "arguments": '{"phone": "+1 415-555-0123"}'}}]},
+                           {"role": "tool", "tool_call_id": "c1", "content": "account on 10.1.2.3"},
+                           {"role": "assistant", "content": "Done."}],
+              "user": {"api_key": "sk-abcdefghijklmnopqrstuvwx"}}
+    twin = json.loads(json.dumps(record).replace("jane@example.com", "john@example.org"))
+    broken = json.dumps(record)[:-5]
+    (tmp_path / "t.jsonl").write_text("\n".join([json.dumps(record), json.dumps(twin), broken]) + "\n")
+    cfg = CollectConfig(sources=["t.jsonl"])
+    found = collect(readers(cfg, tmp_path), cfg, Redactor(cfg.redact))
+    written = json.dumps(found.traces) + json.dumps(found.quarantine)
+    for secret in ("jane@", "john@", "4111", "555-0123", "10.1.2.3", "sk-abc"):
+        assert secret not in written, secret
+    assert found.duplicates == 1, "two records that differ only in redacted values are one trace"
+    [trace] = found.traces
+    assert trace["record_id"] == "<EMAIL>"
+    assert json.loads(trace["metadata"]) == {"id": "<EMAIL>", "user": {"api_key": "<API_KEY>"}}
+    assert "<PHONE>" in trace["messages"] and "<IP_ADDRESS>" in trace["messages"]
+    # per written occurrence: the id is written twice (record_id, metadata); the broken line once, as raw text
+    assert found.redacted == {"email": 3 + 3 + 2, "credit_card": 3, "phone": 3, "ip_address": 3, "api_key": 3}
+
+
+def test_an_escaped_secret_in_the_json_text_is_still_found(tmp_path):
+    line = '{"messages": [{"role": "user", "content": "mail jane\\u0040example.com"}]}'
+    (tmp_path / "t.jsonl").write_text(line + "\n")
+    cfg = CollectConfig(sources=["t.jsonl"])
+    [trace] = collect(readers(cfg, tmp_path), cfg, Redactor(cfg.redact)).traces
+    assert json.loads(trace["messages"])[0]["content"] == "mail <EMAIL>"
