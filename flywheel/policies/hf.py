@@ -65,20 +65,20 @@ class HFPolicy:
         batch = tok.apply_chat_template([canonical_messages(c) for c in conversations], tools=tools or None,
                                         add_generation_prompt=True, tokenize=True, return_dict=True,
                                         padding=True, return_tensors="pt").to(device)
-        sample = sampling.temperature > 0
-        # Every sampling knob is explicit so that a checkpoint's generation_config (top_k 50, a repetition
-        # penalty) cannot change the distribution behind the logprobs the RL learner corrects against.
-        options = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0) \
-            if sample else dict(do_sample=False)
+        options: dict = {"do_sample": False}
+        if sampling.temperature > 0:
+            # Every knob explicit: a checkpoint's generation_config (top_k 50, a repetition penalty) must not
+            # change the distribution behind the logprobs that the RL learner corrects against.
+            options = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                       "top_k": 0, "repetition_penalty": 1.0}
         out = self.model.generate(
             **batch, max_new_tokens=sampling.max_new_tokens, eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-            repetition_penalty=1.0, output_scores=True, return_dict_in_generate=True, **options)
+            output_scores=True, return_dict_in_generate=True, **options)
         new_tokens = out.sequences[:, batch["input_ids"].shape[1]:]
-        # out.scores are the processed logits (temperature, top_p applied): the distribution sampled from.
+        # out.scores are the processed logits (temperature and top_p applied): the distribution sampled from.
         logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1).gather(1, new_tokens[:, i:i + 1]).squeeze(1)
-                                for i, s in enumerate(out.scores)], dim=1) if out.scores else \
-            torch.zeros_like(new_tokens, dtype=torch.float)
+                                for i, s in enumerate(out.scores)], dim=1)
         completions = []
         for row, row_logprobs in zip(new_tokens.tolist(), logprobs.tolist(), strict=True):
             ended = tok.eos_token_id in row

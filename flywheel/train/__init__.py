@@ -1,0 +1,1 @@
+"""Model and tokenizer loading, the tiny demo student, SFT and RL."""

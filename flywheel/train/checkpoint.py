@@ -1,0 +1,71 @@
+"""Loading a student checkpoint and turning conversations into token ids with an assistant-token mask."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is missing or unusable; the message names the folder and what to do."""
+
+
+def load_student(path: str | Path):
+    """Load (model, tokenizer) from a checkpoint folder (or a cached hub id): safetensors, no remote code, eval."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(path)
+    if local.is_dir():
+        if not (local / "config.json").exists():
+            raise CheckpointError(f"{local}: not a model checkpoint (no config.json)")
+        source = str(local)
+    elif not local.exists() and str(path).count("/") == 1 and not str(path).startswith((".", "/", "~")):
+        source = str(path)  # a hub id such as "Qwen/Qwen3-0.6B", served from the local cache when offline
+    else:
+        raise CheckpointError(f"{path}: no such checkpoint folder (run the stage that builds it first)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        if not tokenizer.chat_template:
+            raise CheckpointError(f"{path}: the tokenizer has no chat template; the harness and SFT need one "
+                                  "(save a tokenizer with `chat_template` set)")
+        model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=False, use_safetensors=True)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot load a model and tokenizer from it: {err}") from err
+    tokenizer.padding_side = "left"  # generation appends on the right
+    model.eval()
+    return model, tokenizer
+
+
+def canonical_messages(messages: list[dict]) -> list[dict]:
+    """Copies with tool-call arguments as canonical JSON text, the form templates write verbatim."""
+    out = []
+    for message in messages:
+        message = dict(message)
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                fn = dict(call.get("function", {}))
+                arguments = fn.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments)
+                    except json.JSONDecodeError:
+                        pass  # written as it came: the model sees what it (or the trace) wrote
+                if not isinstance(arguments, str):
+                    fn["arguments"] = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+                calls.append({**call, "function": fn})
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
+
+
+def encode_conversation(tokenizer, messages: list[dict], tools: list[dict] | None,
+                        max_length: int) -> tuple[list[int], list[int]]:
+    """Token ids of a whole conversation and a mask that is 1 on assistant tokens only, cut to max_length."""
+    out = tokenizer.apply_chat_template(canonical_messages(messages), tools=tools or None, tokenize=True,
+                                        return_dict=True, return_assistant_tokens_mask=True)
+    input_ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    if 1 not in mask:
+        raise ValueError("the chat template marks no assistant tokens: it needs {% generation %} markers "
+                         "around each assistant turn")
+    return input_ids[:max_length], mask[:max_length]

@@ -1,0 +1,100 @@
+"""The hf policy on a random tiny model: batching, token data, determinism, seeds and the end token."""
+
+from __future__ import annotations
+
+import math
+from itertools import islice
+
+import pytest
+import torch
+
+from flywheel.agent import run_episodes
+from flywheel.envs.calculator import CalculatorEnv
+from flywheel.policies import get_policy
+from flywheel.policies.base import Sampling
+from flywheel.policies.hf import HFPolicy
+from flywheel.train.checkpoint import load_student
+
+
+@pytest.fixture(scope="module")
+def env() -> CalculatorEnv:
+    return CalculatorEnv()
+
+
+@pytest.fixture(scope="module")
+def prompts(env) -> list[list[dict]]:
+    return [t.prompt for t in islice(env.generate_tasks(7), 5)]
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_student) -> HFPolicy:
+    return HFPolicy(tiny_student, batch_size=2)  # 5 prompts: chunks of 2, 2 and 1
+
+
+def test_completions_carry_token_ids_and_logprobs(policy, env, prompts):
+    completions = policy.generate(prompts, env.tools(), Sampling(max_new_tokens=12))
+    assert len(completions) == len(prompts)
+    for c in completions:
+        assert c.message["role"] == "assistant"
+        assert 1 <= len(c.token_ids) == len(c.logprobs) <= 12
+        assert all(lp <= 0 and math.isfinite(lp) for lp in c.logprobs)
+
+
+def test_greedy_is_deterministic(policy, env, prompts):
+    first = policy.generate(prompts, env.tools(), Sampling(max_new_tokens=12))
+    second = policy.generate(prompts, env.tools(), Sampling(max_new_tokens=12))
+    assert [c.token_ids for c in first] == [c.token_ids for c in second]
+    assert [c.text for c in first] == [c.text for c in second]
+
+
+def test_seeded_sampling_is_reproducible_and_leaves_global_rng_alone(policy, env, prompts):
+    sampling = Sampling(temperature=1.0, max_new_tokens=12, seed=3)
+    torch.manual_seed(0)
+    before = torch.rand(1)
+    torch.manual_seed(0)
+    first = policy.generate(prompts, env.tools(), sampling)
+    assert torch.rand(1) == before
+    second = policy.generate(prompts, env.tools(), sampling)
+    other = policy.generate(prompts, env.tools(), Sampling(temperature=1.0, max_new_tokens=12, seed=4))
+    assert [c.token_ids for c in first] == [c.token_ids for c in second]
+    assert [c.token_ids for c in first] != [c.token_ids for c in other]
+
+
+def test_logprobs_are_those_of_the_tempered_distribution(policy, env, prompts):
+    temperature = 0.7
+    [completion] = policy.generate(prompts[:1], env.tools(), Sampling(temperature=temperature, max_new_tokens=10,
+                                                                      seed=1))
+    prompt = policy.tokenizer.apply_chat_template(prompts[0], tools=env.tools(), add_generation_prompt=True)
+    ids = torch.tensor([prompt["input_ids"] + completion.token_ids])
+    with torch.no_grad():
+        logits = policy.model(ids).logits[0, len(prompt["input_ids"]) - 1:-1]
+    expected = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(completion.token_ids)[:, None])
+    assert torch.allclose(torch.tensor(completion.logprobs), expected.squeeze(1), atol=1e-4)
+
+
+def test_generation_stops_at_the_end_token(tiny_student, env, prompts):
+    model, tokenizer = load_student(tiny_student)
+    # A head that always prefers <|im_end|>: the model answers at once with an empty turn.
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    torch.nn.init.zeros_(head.weight)
+    with torch.no_grad():
+        head.bias.fill_(-10.0)
+        head.bias[tokenizer.eos_token_id] = 10.0
+    model.lm_head = head
+    policy = HFPolicy(model, tokenizer)
+    for completion in policy.generate(prompts, env.tools(), Sampling(max_new_tokens=8)):
+        assert completion.token_ids == [tokenizer.eos_token_id]
+        assert completion.text == "" and completion.message == {"role": "assistant", "content": ""}
+        assert completion.logprobs[0] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_runs_in_the_harness_and_restores_training_mode(tiny_student, env):
+    model, tokenizer = load_student(tiny_student)
+    model.train()
+    policy = get_policy("hf", model_or_path=model, tokenizer=tokenizer)
+    tasks = list(islice(env.generate_tasks(3), 4))
+    episodes = run_episodes(env, policy, tasks, sampling=Sampling(max_new_tokens=16), max_turns=2)
+    assert len(episodes) == 4 and all(not e.passed for e in episodes)  # random weights solve nothing
+    assert model.training
+    with pytest.raises(ValueError, match="tokenizer"):
+        HFPolicy(model)
