@@ -15,15 +15,12 @@ import argparse
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.make_traces import conversation
 from flywheel.envs.calculator import CalculatorEnv

@@ -1,6 +1,7 @@
 """How much the tiny demo student learns from oracle conversations: held-out pass rate before and after SFT.
 
-    .venv/bin/python benchmarks/demo_student.py [--pipeline demo] [--steps 600] [--train 3000] [--heldout 200]
+    .venv/bin/python benchmarks/demo_student.py [--pipeline demo] [--steps N] [--lr X] [--seed N]
+                                                [--train 3000] [--heldout 200]
 
 Builds the tiny student (tokenizer trained on the environment's oracle conversations), evaluates the random
 base model, runs SFT on oracle conversations, evaluates again, all greedy in the one harness; prints pass
@@ -10,14 +11,13 @@ rates (overall and per slice) and wall times of each part.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from collections import Counter
 from itertools import islice
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from transformers.utils import logging as hf_logging
 
 from flywheel.agent import run_episodes
 from flywheel.config import load_pipeline
@@ -52,14 +52,21 @@ def main() -> None:
     parser.add_argument("--pipeline", default="demo")
     parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "pipelines.yaml"))
     parser.add_argument("--steps", type=int, help="SFT steps (default: the pipeline's)")
+    parser.add_argument("--lr", type=float, help="SFT learning rate (default: the pipeline's)")
+    parser.add_argument("--seed", type=int, help="the tiny model's init seed (default: the pipeline's)")
     parser.add_argument("--train", type=int, default=3000, help="oracle conversations to train on")
     parser.add_argument("--heldout", type=int, default=200, help="held-out tasks to evaluate on")
     parser.add_argument("--corpus", type=int, default=2000, help="conversations to train the tokenizer on")
     parser.add_argument("--workdir", type=Path, help="where models go (default: a temporary folder)")
     args = parser.parse_args()
+    hf_logging.disable_progress_bar()  # per-file bars and generation-length reminders would bury the numbers
+    hf_logging.set_verbosity_error()
 
     pipeline = load_pipeline(args.pipeline, args.config)
-    sft_cfg = pipeline.sft if args.steps is None else pipeline.sft.model_copy(update={"steps": args.steps})
+    sft_cfg = pipeline.sft.model_copy(update={k: v for k, v in (("steps", args.steps), ("lr", args.lr))
+                                               if v is not None})
+    tiny_cfg = pipeline.student.tiny if args.seed is None else pipeline.student.tiny.model_copy(
+        update={"seed": args.seed})
     env = get_environment(pipeline.environment.name)
     seed, max_turns = pipeline.environment.seed, pipeline.environment.max_turns
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="demo-student-"))
@@ -72,7 +79,7 @@ def main() -> None:
     corpus = environment_corpus(env, n=args.corpus, seed=seed + 7)
     corpus_s = time.perf_counter() - started
     started = time.perf_counter()
-    base = build_tiny_student(corpus, pipeline.student.tiny, workdir / "base")
+    base = build_tiny_student(corpus, tiny_cfg, workdir / "base")
     build_s = time.perf_counter() - started
 
     base_rates, base_eval_s, _ = evaluate(env, base, heldout, max_turns)
@@ -88,7 +95,7 @@ def main() -> None:
     metrics = train_sft(base, rows, workdir / "sft", sft_cfg, on_log=show)
     sft_rates, sft_eval_s, episodes = evaluate(env, workdir / "sft", heldout, max_turns)
 
-    print(f"\nmodel: {pipeline.student.tiny.model_dump()}  sft: {sft_cfg.model_dump()}")
+    print(f"\nmodel: {tiny_cfg.model_dump()}  sft: {sft_cfg.model_dump()}")
     print(f"data: {len(rows)} oracle conversations, {len(heldout)} held-out tasks, tokenizer corpus {len(corpus)}")
     print(f"tokenizer corpus {corpus_s:.1f} s, tokenizer + model build {build_s:.1f} s")
     print(f"SFT: {metrics['steps']} steps in {metrics['runtime_s']:.1f} s, {metrics['tokens_per_s']:.0f} tok/s, "

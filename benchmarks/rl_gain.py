@@ -9,14 +9,11 @@ difference, per-slice rates, the gate's verdict (RL model as candidate, SFT as c
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pandas as pd
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flywheel.config import RLConfig, load_pipeline
 from flywheel.data.tasksets import build_tasks, row_task

@@ -19,14 +19,13 @@ import time
 from itertools import islice
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 from flywheel.agent import run_episodes
 from flywheel.config import load_pipeline
 from flywheel.envs import get_environment
 from flywheel.policies.base import Sampling
 from flywheel.policies.openai import OpenAIPolicy
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def samples_per_s(url: str, env, tasks, concurrency: int) -> tuple[float, float]:
@@ -73,7 +72,8 @@ def main() -> None:
         print(f"ideal: {1 / (2 * args.latency):.1f} samples/s one at a time, "
               f"{concurrency / (2 * args.latency):.1f} at concurrency {concurrency}")
     print(json.dumps({"latency_s": args.latency, "concurrency": concurrency,
-                      "samples_per_s_concurrent": round(concurrent, 2), "samples_per_s_sequential": round(sequential, 2),
+                      "samples_per_s_concurrent": round(concurrent, 2),
+                      "samples_per_s_sequential": round(sequential, 2),
                       "ratio": round(concurrent / sequential, 2), "ideal_ratio": float(concurrency)}))
 
 

@@ -15,7 +15,7 @@ from tasks.evaluate import evaluate
 from tasks.register import register
 from tasks.rl import rl
 from tasks.sft import sft
-from tasks.spec import ORDER, STAGES
+from tasks.spec import ORDER, STAGES, output_hashes
 from tasks.synthesize import synthesize
 
 STAGE_TASKS = {"collect": collect, "synthesize": synthesize, "sft": sft, "rl": rl, "evaluate": evaluate,
@@ -47,6 +47,12 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
             state = stage_task(**kwargs, return_state=True)
             result = state.result()  # raises the stage's own error if it failed
             cached = state.name == "Cached"
+            if cached and result["outputs"] != output_hashes(name, pipeline, root_path):
+                # the cache is right about the inputs, but the workspace holds other outputs (another config's
+                # run, a manual edit): make them again rather than hand stale files downstream
+                print(f"[{number}/{len(ORDER)}] {name}: outputs on disk differ from the cached run's; rerunning")
+                state = STAGE_TASKS[name].with_options(refresh_cache=True)(**kwargs, return_state=True)
+                result, cached = state.result(), False
             if use_dvc and (not cached or not dvc.lock_hashes(root_path, name, pipeline)):
                 dvc.commit(root_path, name, pipeline)
             if not cached:

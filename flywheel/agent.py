@@ -52,9 +52,10 @@ def call_tool(env: Environment, call: dict, timeout_s: float) -> str:
 
 
 def run_episodes(env: Environment, policy: Policy, tasks: Sequence[Task], *, samples: int = 1,
-                 sampling: Sampling = Sampling(), max_turns: int = 4, tool_timeout_s: float = 2.0,
+                 sampling: Sampling | None = None, max_turns: int = 4, tool_timeout_s: float = 2.0,
                  on_done: Callable[[Episode], None] | None = None) -> list[Episode]:
     """Run `samples` episodes per task, all conversations advancing together one turn at a time (batched)."""
+    sampling = sampling or Sampling()
     episodes = [Episode(task=t, sample=s, messages=[dict(m) for m in t.prompt])
                 for t in tasks for s in range(samples)]
     tools = env.tools()

@@ -22,9 +22,12 @@ def configure(root: Path) -> None:
         "PREFECT_LOGGING_LEVEL": "WARNING",
         "MLFLOW_TRACKING_URI": f"sqlite:///{state / 'mlflow.db'}",
         "MLFLOW_DISABLE_TELEMETRY": "true",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # stages print their own progress lines
+        "TRANSFORMERS_VERBOSITY": "error",
         "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",  # S3-compatible stores reject the new checksums
         "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required",
     }

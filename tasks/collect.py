@@ -20,6 +20,7 @@ from flywheel.data.traces import table_rows
 from flywheel.envs import get_environment
 from flywheel.registry import stage_run
 from tasks.caching import by_content
+from tasks.spec import output_hashes
 
 
 class TooManyBadRecords(RuntimeError):
@@ -91,6 +92,6 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
             metrics |= {f"source/{label}/records": found.records[label], f"source/{label}/traces": found.new[label],
                         f"source/{label}/quarantined": found.bad[label]}
         run.metrics(metrics)
-        outputs = {"collect": digest}
+        outputs = output_hashes("collect", pipeline, root_path)
         run.tags({"flywheel.out.collect": digest, "flywheel.collect.mode": "full" if since is None else "incremental"})
     return {"stage": "collect", "run_id": run.run_id, "metrics": metrics, "outputs": outputs}

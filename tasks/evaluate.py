@@ -19,6 +19,7 @@ from flywheel.evaluate.runner import check_contamination, evaluate_model, synthe
 from flywheel.registry import stage_run
 from tasks.caching import by_content
 from tasks.reports import publish_eval_report
+from tasks.spec import output_hashes
 
 
 def champion_key(pipeline: str, root: Path) -> str:
@@ -66,7 +67,8 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
         by_model = {label: table[table["model"] == label] for label in models}
         decision = decide(by_model["rl"], by_model.get("champion"), cfg.gate)
         scores = {f"score_{label}": float(frame["reward"].mean()) for label, frame in by_model.items()}
-        report = {"passed": decision.passed, "reasons": decision.reasons, "numbers": json.loads(decision.to_json())["numbers"],
+        report = {"passed": decision.passed, "reasons": decision.reasons,
+                  "numbers": json.loads(decision.to_json())["numbers"],
                   "scores": scores, "candidate_hash": candidate_hash,
                   "champion_version": champion.version if "champion" in models else None}
         gate_path = catalog.write_json("evaluate", "gate.json", report)
@@ -76,4 +78,4 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
         run.artifact(gate_path)
         publish_eval_report(pipeline, report, table)
     return {"stage": "evaluate", "run_id": run.run_id, "metrics": scores, "gate": report,
-            "outputs": {"evaluate": content_hash([catalog.stage_dir("evaluate")], root_path)}}
+            "outputs": output_hashes("evaluate", pipeline, root_path)}

@@ -12,6 +12,7 @@ from flywheel.data import dvc
 from flywheel.data.catalog import Catalog, content_hash
 from flywheel.registry import stage_run
 from tasks.caching import by_content
+from tasks.spec import output_hashes
 
 
 @task(name="register", cache_key_fn=by_content("register"), persist_result=True, retries=2, retry_delay_seconds=2)
@@ -41,4 +42,4 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
         catalog.write_json("register", "registration.json", result)
         run.tags({"flywheel.registered_version": version.version})
     return {"stage": "register", "run_id": run.run_id, "metrics": {}, "registration": result,
-            "outputs": {"register": content_hash([catalog.stage_dir("register")], root_path)}}
+            "outputs": output_hashes("register", pipeline, root_path)}

@@ -9,7 +9,7 @@ import pandas as pd
 from prefect import task
 
 from flywheel.config import load_pipeline
-from flywheel.data.catalog import Catalog, content_hash
+from flywheel.data.catalog import Catalog
 from flywheel.data.schemas import Rollouts
 from flywheel.data.tasksets import row_task
 from flywheel.envs import get_environment
@@ -17,6 +17,7 @@ from flywheel.registry import stage_run
 from flywheel.train.rl.loop import train_rl
 from tasks.caching import by_content
 from tasks.progress import progress
+from tasks.spec import output_hashes
 
 
 @task(name="rl", cache_key_fn=by_content("rl"), persist_result=True)
@@ -39,7 +40,6 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dict
                                      on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"))
         catalog.write("rollouts", pd.DataFrame(rows, columns=list(Rollouts.to_schema().columns)))
         run.metrics({f"final_{k}": v for k, v in summary.items()})
-        outputs = {"rl": content_hash([out_dir], root_path),
-                   "rollouts": content_hash([catalog.table_path("rollouts")], root_path)}
+        outputs = output_hashes("rl", pipeline, root_path)
         run.tags({f"flywheel.out.{k}": v for k, v in outputs.items()})
     return {"stage": "rl", "run_id": run.run_id, "metrics": summary, "outputs": outputs}

@@ -9,12 +9,13 @@ from pathlib import Path
 from prefect import task
 
 from flywheel.config import load_pipeline
-from flywheel.data.catalog import Catalog, content_hash
+from flywheel.data.catalog import Catalog
 from flywheel.registry import stage_run
 from flywheel.train.sft import train_sft
 from flywheel.train.tiny import build_tiny_student, render_conversation
 from tasks.caching import by_content
 from tasks.progress import progress
+from tasks.spec import output_hashes
 
 
 @task(name="sft", cache_key_fn=by_content("sft"), persist_result=True)
@@ -46,6 +47,6 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dic
         result = train_sft(base, rows, catalog.model_dir("sft"), cfg.sft,
                            on_log=progress(run, "sft", cfg.sft.steps, "loss"))
         run.metrics({f"final_{k}": v for k, v in result.items()})
-        outputs = {name: content_hash([catalog.model_dir(name)], root_path) for name in ("base", "sft")}
+        outputs = output_hashes("sft", pipeline, root_path)
         run.tags({f"flywheel.out.{k}": v for k, v in outputs.items()})
     return {"stage": "sft", "run_id": run.run_id, "metrics": result, "outputs": outputs}

@@ -39,9 +39,11 @@ STAGES: dict[str, StageSpec] = {s.name: s for s in [
     StageSpec("synthesize", ("data/{p}/collect",), ("environment", "teacher", "synthesize"),
               ("tasks/synthesize.py", "flywheel/data", *_EPISODES), ("data/{p}/synthesize",)),
     StageSpec("sft", ("data/{p}/synthesize",), ("student", "sft"),
-              ("tasks/sft.py", "tasks/progress.py", "flywheel/data", "flywheel/train"), ("models/{p}/base", "models/{p}/sft")),
+              ("tasks/sft.py", "tasks/progress.py", "flywheel/data", "flywheel/train"),
+              ("models/{p}/base", "models/{p}/sft")),
     StageSpec("rl", ("data/{p}/collect", "models/{p}/sft"), ("environment", "rl"),
-              ("tasks/rl.py", "tasks/progress.py", "flywheel/data", "flywheel/train", *_EPISODES), ("models/{p}/rl", "data/{p}/rl")),
+              ("tasks/rl.py", "tasks/progress.py", "flywheel/data", "flywheel/train", *_EPISODES),
+              ("models/{p}/rl", "data/{p}/rl")),
     StageSpec("evaluate", ("data/{p}/collect", "data/{p}/synthesize", "data/{p}/rl", "models/{p}/base",
                            "models/{p}/sft", "models/{p}/rl"), ("environment", "evaluate", "gate"),
               ("tasks/evaluate.py", "tasks/reports.py", "flywheel/data", "flywheel/evaluate", "flywheel/train",
@@ -63,6 +65,11 @@ def input_key(stage: str, pipeline: str, root: Path) -> str:
     parts = [stage, pipeline, content_hash(spec.dep_paths(root, pipeline, cfg), root),
              cfg.section_hash(*spec.config), code_hash(spec)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def output_hashes(stage: str, pipeline: str, root: Path) -> dict[str, str]:
+    """Content hash of each of a stage's outputs, by its path under the root: what a cache hit must find."""
+    return {out.format(p=pipeline): content_hash([root / out.format(p=pipeline)], root) for out in STAGES[stage].outs}
 
 
 def dvc_yaml() -> str:

@@ -18,7 +18,7 @@ from prefect import task
 
 from flywheel.agent import Episode, run_episodes
 from flywheel.config import TeacherConfig, load_pipeline
-from flywheel.data.catalog import Catalog, content_hash
+from flywheel.data.catalog import Catalog
 from flywheel.data.tasksets import row_task
 from flywheel.envs import Environment, get_environment
 from flywheel.envs.base import prompt_hash
@@ -26,6 +26,7 @@ from flywheel.policies import Policy, get_policy
 from flywheel.policies.base import Sampling
 from flywheel.registry import Run, stage_run
 from tasks.caching import by_content
+from tasks.spec import output_hashes
 
 # Conversations per run_episodes call: enough to keep every request slot busy through a turn, few enough
 # that progress shows and a straggler holds up only its own chunk.
@@ -81,7 +82,7 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
                    **{f"teacher_{k}": v for k, v in sorted(stats.items())},
                    "cost_usd_spent": meter.cost(stats.get("tokens_in", 0), stats.get("tokens_out", 0))}
         run.metrics(metrics)
-        outputs = {"synthesize": content_hash([catalog.stage_dir("synthesize")], root_path)}
+        outputs = output_hashes("synthesize", pipeline, root_path)
         run.tags({f"flywheel.out.{k}": v for k, v in outputs.items()})
     return {"stage": "synthesize", "run_id": run.run_id, "metrics": metrics, "outputs": outputs}
 

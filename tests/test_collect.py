@@ -178,7 +178,7 @@ def test_collect_stage_writes_valid_tables(tmp_path, mlflow_store):
 
     run = MlflowClient().get_run(result["run_id"])
     [dataset] = run.inputs.dataset_inputs
-    assert dataset.dataset.digest == result["outputs"]["collect"]
+    assert dataset.dataset.digest == run.data.tags["flywheel.out.collect"]
     assert dataset.dataset.name == "small-traces"
     assert json.loads(dataset.dataset.profile)["num_rows"] == len(catalog.read("traces"))
 
@@ -203,12 +203,15 @@ def test_no_malformed_record_crashes_the_stage(tmp_path, mlflow_store):
 
 
 def test_the_output_hash_is_the_one_dvc_records(project):
+    from mlflow import MlflowClient
+
     from flywheel.data import dvc
     from tasks.collect import collect as stage
 
     result = stage.fn(pipeline="small", root=str(project))
     dvc.commit(project, "collect", "small")
-    assert dvc.lock_hashes(project, "collect", "small")["data/small/collect"] == result["outputs"]["collect"]
+    logged = MlflowClient().get_run(result["run_id"]).data.tags["flywheel.out.collect"]
+    assert dvc.lock_hashes(project, "collect", "small")["data/small/collect"] == logged
 
 
 def test_catalog_refuses_a_table_that_breaks_its_contract(tmp_path):

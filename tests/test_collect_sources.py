@@ -61,7 +61,8 @@ def test_s3_objects_of_every_shape_and_format(s3_bucket, tmp_path):
     for key, body in objects.items():
         client.put_object(Bucket=bucket, Key=key, Body=body)
     cfg = CollectConfig(sources=[f"s3://{bucket}/agent/",
-                                 {"name": "own", "s3": f"s3://{bucket}/own/", "fields": {"messages": "payload.turns", "outcome": "ok"},
+                                 {"name": "own", "s3": f"s3://{bucket}/own/",
+                                  "fields": {"messages": "payload.turns", "outcome": "ok"},
                                   "outcome": {"accepted": [True], "rejected": [False]}}])
     found = _read(cfg, tmp_path)
     by_answer = {json.loads(t["messages"])[-1]["content"]: t for t in found.traces}

@@ -62,7 +62,8 @@ def test_faults_are_retried_and_no_sample_is_lost_or_duplicated(openai_server):
     assert len(episodes) == 20 and all(e.passed and e.turns == 2 for e in episodes)
     assert openai_server.seen_faults == Counter({"500": 2, "drop": 2, "429": 1, "hang": 1})
     stats = teacher.stats
-    assert (stats["rate_limited"], stats["server_errors"], stats["timeouts"], stats["connection_errors"]) == (1, 2, 1, 2)
+    faults = (stats["rate_limited"], stats["server_errors"], stats["timeouts"], stats["connection_errors"])
+    assert faults == (1, 2, 1, 2)
     assert stats["retries"] == 6 and stats["answers"] == 40
     # every distinct request answered exactly once: none lost, none sent again after it was answered
     assert openai_server.answers == 40 and set(openai_server.answered.values()) == {1}

@@ -60,7 +60,8 @@ class ResponseCache:
         with self._lock:
             for start in range(0, len(wanted), 500):
                 chunk = wanted[start:start + 500]
-                rows = self._db.execute(f"SELECT key, record FROM responses WHERE key IN ({','.join('?' * len(chunk))})",
+                marks = ",".join("?" * len(chunk))
+                rows = self._db.execute(f"SELECT key, record FROM responses WHERE key IN ({marks})",
                                         chunk).fetchall()
                 found.update((key, json.loads(record)) for key, record in rows)
         return found

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class CheckpointError(ValueError):
@@ -63,9 +66,20 @@ def encode_conversation(tokenizer, messages: list[dict], tools: list[dict] | Non
                         max_length: int) -> tuple[list[int], list[int]]:
     """Token ids of a whole conversation and a mask that is 1 on assistant tokens only, cut to max_length."""
     out = tokenizer.apply_chat_template(canonical_messages(messages), tools=tools or None, tokenize=True,
-                                        return_dict=True, return_assistant_tokens_mask=True)
+                                        return_dict=True, return_assistant_tokens_mask=True,
+                                        chat_template=_masking_template(tokenizer))
     input_ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
     if 1 not in mask:
         raise ValueError("the chat template marks no assistant tokens: it needs {% generation %} markers "
                          "around each assistant turn")
     return input_ids[:max_length], mask[:max_length]
+
+
+def _masking_template(tokenizer) -> str | None:
+    """None when the tokenizer's template marks assistant turns; else TRL's training variant, as SFT uses."""
+    template = tokenizer.chat_template
+    if isinstance(template, str) and GENERATION_MARKER.search(template):
+        return None
+    from trl.chat_template_utils import get_training_chat_template  # only for templates without markers
+
+    return get_training_chat_template(tokenizer)
