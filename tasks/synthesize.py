@@ -8,9 +8,7 @@ rerun, so the table is written again byte for byte without a call.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -24,8 +22,10 @@ from flywheel.envs import Environment, get_environment
 from flywheel.envs.base import prompt_hash
 from flywheel.policies import Policy, get_policy
 from flywheel.policies.base import Sampling
-from flywheel.registry import Run, stage_run
+from flywheel.registry import stage_run
+from flywheel.synthesis import sample_row, select_targets, trace_rows
 from tasks.caching import by_content
+from tasks.progress import Meter
 from tasks.spec import output_hashes
 
 # Conversations per run_episodes call: enough to keep every request slot busy through a turn, few enough
@@ -98,104 +98,3 @@ def build_teacher(cfg: TeacherConfig, env: Environment, root: Path) -> Policy:
     return get_policy("openai", model=cfg.model, base_url=cfg.base_url, api_key_env=cfg.api_key_env,
                       concurrency=cfg.concurrency, timeout_s=cfg.timeout_s, max_retries=cfg.max_retries,
                       breaker_failures=cfg.breaker_failures, cache=root / cfg.cache if cfg.cache else None)
-
-
-def select_targets(episodes: list[Episode], best_only: bool) -> set[int]:
-    """Indexes of the episodes kept as targets: every one the rubric passed, or the best passing one per task."""
-    passed = [i for i, e in enumerate(episodes) if e.passed]
-    if not best_only:
-        return set(passed)
-    best: dict[str, tuple[tuple, int]] = {}
-    for i in passed:
-        e = episodes[i]
-        # highest reward, then the shortest episode, then the first sample: the same pick on every rerun
-        rank = (-e.reward, e.turns, _tokens(e, "completion_tokens"), e.sample)
-        if e.task.task_id not in best or rank < best[e.task.task_id][0]:
-            best[e.task.task_id] = (rank, i)
-    return {i for _, i in best.values()}
-
-
-def sample_row(e: Episode, accepted: bool, teacher: str, tools: str) -> dict:
-    """One row of the synthetic table; latencies come from the answers themselves (cached ones included)."""
-    return {
-        "sample_id": hashlib.sha256(f"{e.task.task_id}:{e.sample}".encode()).hexdigest()[:16],
-        "task_id": e.task.task_id,
-        "teacher": teacher,
-        "messages": json.dumps(e.messages, ensure_ascii=False),
-        "tools": tools,
-        "reward": e.reward,
-        "breakdown": json.dumps(e.breakdown, sort_keys=True),
-        "accepted": accepted,
-        "tokens_in": _tokens(e, "prompt_tokens"),
-        "tokens_out": _tokens(e, "completion_tokens"),
-        "latency_s": round(sum(c.latency_s for c in e.completions), 6),
-    }
-
-
-def trace_rows(traces: pd.DataFrame, env: Environment, heldout_prompts: set[str]) -> list[dict]:
-    """Train traces with outcome 'accepted' as targets; the rubric has the last word where it can check them."""
-    rows = []
-    for trace in traces.sort_values("trace_id").to_dict("records"):
-        if trace["outcome"] != "accepted" or trace["split"] != "train":
-            continue
-        messages = json.loads(trace["messages"])
-        first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-        if prompt_hash(messages[:first_user + 1]) in heldout_prompts:
-            continue  # never train on a held-out prompt, whatever its trace says
-        task = env.task_from_messages(messages)
-        if task is not None:
-            score = env.score(task, messages)
-            reward, passed, breakdown = score.reward, score.passed, dict(score.breakdown)
-        else:
-            reward = min(max(float(trace["score"]), 0.0), 1.0) if pd.notna(trace["score"]) else 1.0
-            passed, breakdown = True, {}
-        # content null beside tool calls becomes "", as the teacher's own turns have it: one shape for SFT
-        messages = [{**m, "content": m.get("content") or ""} for m in messages]
-        rows.append({"sample_id": f"trace-{trace['trace_id']}", "task_id": task.task_id if task else trace["trace_id"],
-                     "teacher": "trace", "messages": json.dumps(messages, ensure_ascii=False),
-                     "tools": trace["tools"], "reward": reward,
-                     "breakdown": json.dumps(breakdown, sort_keys=True), "accepted": passed,
-                     "tokens_in": 0, "tokens_out": 0, "latency_s": 0.0})
-    return rows
-
-
-def _tokens(e: Episode, kind: str) -> int:
-    return sum(int(c.usage.get(kind, 0)) for c in e.completions)
-
-
-class Meter:
-    """Progress of the sampling: a bar line about every tenth (rate, passed fraction, ETA, tokens, cost)."""
-
-    def __init__(self, run: Run, total: int, teacher: TeacherConfig):
-        self.run, self.total = run, total
-        self.prices = (teacher.price_input_per_mtok, teacher.price_output_per_mtok)
-        self.done = self.passed = self.tokens_in = self.tokens_out = 0
-        self.started = time.monotonic()
-        self.every = max(total // 10, 1)
-        self.next_line = self.every
-
-    def cost(self, tokens_in: int, tokens_out: int) -> float:
-        return (tokens_in * self.prices[0] + tokens_out * self.prices[1]) / 1e6
-
-    def update(self, episodes: list[Episode]) -> None:
-        self.done += len(episodes)
-        self.passed += sum(e.passed for e in episodes)
-        self.tokens_in += sum(_tokens(e, "prompt_tokens") for e in episodes)
-        self.tokens_out += sum(_tokens(e, "completion_tokens") for e in episodes)
-        if self.done < self.next_line and self.done < self.total:
-            return
-        self.next_line = (self.done // self.every + 1) * self.every
-        values = self.totals() | {"passed_fraction": self.passed / max(self.done, 1)}
-        eta = (self.total - self.done) / max(values["samples_per_s"], 1e-9)
-        bar = "#" * round(20 * self.done / max(self.total, 1))
-        print(f"      synthesize [{bar:<20}] {self.done}/{self.total} samples  {values['samples_per_s']:.1f}/s"
-              f"  passed {values['passed_fraction']:.2f}  ~{eta:.0f}s left  tokens {self.tokens_in} in / "
-              f"{self.tokens_out} out  ${values['cost_usd']:.4f}", flush=True)
-        self.run.metrics({f"progress/{k}": v for k, v in values.items()} | {"progress/samples": self.done},
-                         step=self.done)
-
-    def totals(self) -> dict:
-        """Rate, tokens and cost so far (cached answers count their original tokens: the data's cost)."""
-        elapsed = max(time.monotonic() - self.started, 1e-9)
-        return {"samples_per_s": self.done / elapsed, "tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
-                "cost_usd": self.cost(self.tokens_in, self.tokens_out)}
