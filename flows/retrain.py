@@ -43,6 +43,7 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
             if name == "register":
                 kwargs["lineage"] = {"prefect.flow_run_id": flow_run_id, "mlflow.pipeline_run_id": parent.run_id,
                                      **_data_lineage(root_path, pipeline)}
+                parent.tags({k: v for k, v in kwargs["lineage"].items() if k.startswith("flywheel.dvc.")})
             print(f"[{number}/{len(ORDER)}] {name} ...", flush=True)
             state = stage_task(**kwargs, return_state=True)
             result = state.result()  # raises the stage's own error if it failed

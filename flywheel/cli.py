@@ -13,6 +13,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Turn an agent's traces into a better, cheaper model: distil, reinforce, gate, promote.")
 
 ROOT = typer.Option(Path("."), "--root", help="Project root holding pipelines.yaml and dvc.yaml.")
+RUN_IDS = typer.Argument(None, help="MLflow run ids of retrain runs (default: the last N).")
+HTML = typer.Option(None, "--html", help="Also write an HTML report with plots to this file.")
 
 
 def _fail(message: str) -> None:
@@ -63,6 +65,65 @@ def stage(name: str = typer.Argument(..., help="collect, synthesize, sft, rl, ev
         _fail(f"unknown stage '{name}' (stages: {', '.join(STAGE_TASKS)})")
     result = STAGE_TASKS[name].fn(pipeline=pipeline, root=str(root))
     typer.echo(f"{name}: done (MLflow run {result['run_id']})")
+
+
+@app.command()
+def promote(pipeline: str = typer.Argument(..., help="Pipeline name (the registered model's name)."),
+            version: str | None = typer.Argument(None, help="Model version to make champion."),
+            force: bool = typer.Option(False, "--force", help="Skip the gate; the move is tagged as forced."),
+            rollback: bool = typer.Option(False, "--rollback", help="Return champion to the previous one."),
+            root: Path = ROOT) -> None:
+    """Move `champion` to a version through the gate against the current champion, or roll it back."""
+    from flywheel import promotion
+    from flywheel.config import ConfigError, load_pipeline
+
+    root = _checked_root(root)
+    if rollback == (version is not None):
+        _fail("give either a VERSION or --rollback")
+    try:
+        if rollback:
+            outcome = promotion.rollback(pipeline)
+        else:
+            gate = load_pipeline(pipeline, root / "pipelines.yaml").gate
+            outcome = promotion.promote(pipeline, version, gate, force=force)
+    except (ConfigError, promotion.PromotionError) as err:
+        _fail(str(err))
+    for reason in outcome.reasons:
+        typer.echo(f"  - {reason}")
+    if outcome.promoted:
+        typer.echo(f"{pipeline}: champion is version {outcome.champion} ({outcome.how}; was {outcome.previous})")
+    else:
+        typer.secho(f"{pipeline}: version {outcome.version} not promoted; champion stays {outcome.champion}",
+                    fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
+def compare(pipeline: str = typer.Argument(..., help="Pipeline name (the MLflow experiment)."),
+            runs: list[str] | None = RUN_IDS,
+            last: int = typer.Option(5, "--last", min=1, help="How many of the newest retrain runs."),
+            html: Path | None = HTML,
+            root: Path = ROOT) -> None:
+    """Compare retrain runs: data versions, key params, SFT/RL metrics, eval scores with intervals, gate."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from flywheel import comparison
+
+    _checked_root(root)
+    rows = comparison.retrain_runs(pipeline, last=last, run_ids=runs or None)
+    if not rows:
+        _fail(f"no retrain runs of '{pipeline}' in MLflow ({os.environ['MLFLOW_TRACKING_URI']}); "
+              f"run `flywheel run {pipeline}` first")
+    frame = comparison.summary_table(rows)
+    table = Table(title=f"{pipeline}: the last {len(rows)} retrain runs")
+    for column in frame.columns:
+        table.add_column(column, overflow="fold")
+    for line in frame.itertuples(index=False):
+        table.add_row(*[str(v) for v in line])
+    Console(width=max(160, Console().width)).print(table)
+    if html is not None:
+        typer.echo(f"wrote {comparison.write_html(rows, html, pipeline)}")
 
 
 @app.command()

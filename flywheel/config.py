@@ -248,8 +248,12 @@ class RLConfig(Section):
 
 
 class EvaluateConfig(Section):
-    # Greedy decoding on every held-out task; k samples at a temperature is the gate issue's extension.
+    # Greedy decoding on every held-out task (sample 0), plus `samples` episodes per task at `temperature`
+    # (samples 1..k, seeded, so candidate and champion draw with the same seeds). The gate pairs every row.
     batch_size: int = Field(64, ge=1)
+    samples: int = Field(0, ge=0)
+    temperature: float = Field(1.0, gt=0)
+    seed: int = 0
 
 
 class GateConfig(Section):
@@ -262,6 +266,9 @@ class GateConfig(Section):
     bootstrap_samples: int = Field(2000, ge=100)
     confidence: float = Field(0.95, gt=0.5, lt=1)
     seed: int = 0
+    # Optional limits on the candidate's mean per task (eval columns `tokens` and `latency_s`); off when unset.
+    max_tokens_per_task: float | None = Field(None, gt=0)
+    max_latency_s: float | None = Field(None, gt=0)
 
 
 class ScheduleConfig(Section):

@@ -142,6 +142,11 @@ def get_alias(name: str, alias: str) -> Version | None:
         return None
 
 
+def get_version(name: str, version: str) -> Version:
+    """One version of a registered model, with its aliases now."""
+    return _version(client().get_model_version(name, str(version)))
+
+
 def download(version: Version, dst: Path | None = None) -> Path:
     """Fetch a version's checkpoint folder; loads with from_pretrained like any other."""
     import mlflow.artifacts
@@ -151,7 +156,7 @@ def download(version: Version, dst: Path | None = None) -> Path:
 
 
 def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
-             aliases: list[str]) -> Version:
+             aliases: list[str], eval_table: Path | None = None) -> Version:
     """Register the checkpoint as a new version, or return the one already holding this model_hash (idempotent)."""
     c = client()
     try:
@@ -163,6 +168,8 @@ def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
         mv = existing[0]
     else:
         run.artifact(model_dir, "model")
+        if eval_table is not None:  # kept with the version so a later promotion can gate it again
+            run.artifact(eval_table, "eval")
         mv = c.create_model_version(name, source=run.artifact_uri("model"), run_id=run.run_id,
                                     tags={"flywheel.model_hash": model_hash, **{k: str(v) for k, v in tags.items()}})
     for alias in aliases:

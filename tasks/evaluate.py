@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -15,6 +16,7 @@ from flywheel.data.tasksets import row_task
 from flywheel.envs import get_environment
 from flywheel.envs.base import prompt_hash
 from flywheel.evaluate.gate import decide
+from flywheel.evaluate.report import plot_slices, slice_scores
 from flywheel.evaluate.runner import check_contamination, evaluate_model, synthetic_prompt_hashes
 from flywheel.registry import stage_run
 from tasks.caching import by_content
@@ -41,7 +43,8 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
     params = cfg.model_dump(include={"evaluate", "gate"})
     with stage_run(root_path, pipeline, "evaluate", parent_run_id, params) as run:
         tasks = catalog.read("tasks")
-        heldout = [row_task(r) for r in tasks.to_dict("records") if r["split"] == "heldout"]
+        catalog.write("heldout", tasks[tasks["split"] == "heldout"].reset_index(drop=True))
+        heldout = [row_task(r) for r in catalog.read("heldout").to_dict("records")]
         prompt_of = {r["task_id"]: prompt_hash(json.loads(r["prompt"])) for r in tasks.to_dict("records")}
         synthetic = catalog.read("synthetic")
         check_contamination(heldout, {
@@ -60,19 +63,35 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
         for label, path in models.items():
             rows += evaluate_model(path, env, heldout, label, max_turns=cfg.environment.max_turns,
                                    tool_timeout_s=cfg.environment.tool_timeout_s,
-                                   batch_size=cfg.evaluate.batch_size)
+                                   batch_size=cfg.evaluate.batch_size, samples=cfg.evaluate.samples,
+                                   temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed)
         table = pd.DataFrame(rows)
         catalog.write("eval", table)
 
         by_model = {label: table[table["model"] == label] for label in models}
         decision = decide(by_model["rl"], by_model.get("champion"), cfg.gate)
-        scores = {f"score_{label}": float(frame["reward"].mean()) for label, frame in by_model.items()}
+        # the headline score stays greedy; the gate weighs every row (greedy and sampled) per task
+        scores = {f"score_{label}": float(frame.loc[frame["sample"] == 0, "reward"].mean())
+                  for label, frame in by_model.items()}
+        if cfg.evaluate.samples:
+            run.metrics({f"sampled_score_{label}": float(frame.loc[frame["sample"] > 0, "reward"].mean())
+                         for label, frame in by_model.items()})
         report = {"passed": decision.passed, "reasons": decision.reasons,
                   "numbers": json.loads(decision.to_json())["numbers"],
                   "scores": scores, "candidate_hash": candidate_hash,
                   "champion_version": champion.version if "champion" in models else None}
+        per_slice = slice_scores(table, cfg.gate)
+        report["slice_scores"] = per_slice.round(6).to_dict("records")
         gate_path = catalog.write_json("evaluate", "gate.json", report)
-        run.metrics(scores | {"gate_passed": float(decision.passed)})
+        numbers = report["numbers"]
+        run.metrics(scores | {"gate_passed": float(decision.passed)}
+                    | {f"gate_diff_{k}": v for k, v in (numbers.get("diff") or {}).items() if v is not None}
+                    | {f"gate_candidate_{k}": numbers.get("candidate", {}).get(k) for k in ("low", "high")
+                       if numbers.get("candidate", {}).get(k) is not None})
+        with tempfile.TemporaryDirectory() as tmp:
+            plot = plot_slices(per_slice, Path(tmp) / "gate_slices.png", f"{pipeline}: held-out reward by slice")
+            if plot is not None:
+                run.artifact(plot)
         run.tags({"flywheel.gate": "passed" if decision.passed else "failed",
                   "flywheel.out.evaluate": content_hash([catalog.stage_dir("evaluate")], root_path)})
         run.artifact(gate_path)

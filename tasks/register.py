@@ -6,10 +6,11 @@ from pathlib import Path
 
 from prefect import task
 
-from flywheel import registry
+from flywheel import promotion, registry
 from flywheel.config import load_pipeline
 from flywheel.data import dvc
 from flywheel.data.catalog import Catalog, content_hash
+from flywheel.evaluate.gate import GateDecision
 from flywheel.registry import stage_run
 from tasks.caching import by_content
 from tasks.spec import output_hashes
@@ -35,10 +36,21 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
                 **{f"flywheel.score.{k}": round(v, 4) for k, v in gate["scores"].items()},
                 **{f"flywheel.data.{k}": v for k, v in dvc.lock_hashes(root_path, "rl", pipeline).items()},
                 **(lineage or {})}
-        aliases = ["challenger"] + (["champion"] if gate["passed"] else [])
-        version = registry.register(run, pipeline, model_dir, model_hash, tags, aliases)
+        tags |= {"flywheel.gate_reasons": "; ".join(gate["reasons"])[:5000],
+                 "flywheel.gate_champion": gate.get("champion_version") or "none",
+                 **{f"flywheel.gate.{k}": round(v, 4) for k, v in (gate["numbers"].get("diff") or {}).items()
+                    if isinstance(v, float)}}
+        version = registry.register(run, pipeline, model_dir, model_hash, tags, ["challenger"],
+                                    eval_table=catalog.table_path("eval"))
+        # compare-and-set: the gate was taken against the champion of evaluate time; if another run moved
+        # champion since, the stored eval tables are gated again against the new one
+        outcome = promotion.promote(pipeline, version.version, cfg.gate,
+                                    decision=GateDecision(gate["passed"], list(gate["reasons"]), gate["numbers"]),
+                                    judged_against=gate.get("champion_version"))
+        version = registry.get_version(pipeline, version.version)
         result = {"version": version.version, "aliases": list(version.aliases), "model_hash": model_hash,
-                  "gate_passed": gate["passed"]}
+                  "gate_passed": gate["passed"], "promoted": outcome.promoted,
+                  "promotion_reasons": outcome.reasons}
         catalog.write_json("register", "registration.json", result)
         run.tags({"flywheel.registered_version": version.version})
     return {"stage": "register", "run_id": run.run_id, "metrics": {}, "registration": result,

@@ -49,8 +49,9 @@ STAGES: dict[str, StageSpec] = {s.name: s for s in [
                            "models/{p}/sft", "models/{p}/rl"), ("environment", "evaluate", "gate"),
               ("tasks/evaluate.py", "tasks/reports.py", "flywheel/data", "flywheel/evaluate", "flywheel/train",
                *_EPISODES), ("data/{p}/evaluate",)),
-    StageSpec("register", ("models/{p}/rl", "data/{p}/evaluate"), (),
-              ("tasks/register.py", "flywheel/registry.py"), ("data/{p}/register",)),
+    StageSpec("register", ("models/{p}/rl", "data/{p}/evaluate"), ("gate",),
+              ("tasks/register.py", "flywheel/registry.py", "flywheel/promotion.py", "flywheel/evaluate"),
+              ("data/{p}/register",)),
 ]}
 ORDER = list(STAGES)
 

@@ -157,3 +157,14 @@ def test_bootstrap_mean_is_close_to_the_normal_interval():
     assert got.estimate == pytest.approx(x.mean())
     assert got.low == pytest.approx(x.mean() - half, abs=0.005)
     assert got.high == pytest.approx(x.mean() + half, abs=0.005)
+
+
+def test_cost_and_latency_limits():
+    frame = table(BETTER).assign(tokens=120, latency_s=0.5)
+    assert decide(frame, table(CHAMPION), cfg(max_tokens_per_task=200, max_latency_s=1.0)).passed
+    over = decide(frame, table(CHAMPION), cfg(max_tokens_per_task=100))
+    assert not over.passed and any("tokens per episode 120 exceeds limit 100" in r for r in over.reasons)
+    slow = decide(frame.assign(latency_s=float("nan")), None, cfg(max_latency_s=1.0))
+    assert not slow.passed, "a NaN latency cannot pass a latency limit"
+    missing = decide(table(BETTER), None, cfg(max_latency_s=1.0))
+    assert not missing.passed and any("no 'latency_s' column" in r for r in missing.reasons)

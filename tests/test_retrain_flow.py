@@ -37,7 +37,7 @@ def test_retrain_runs_caches_and_reruns_only_what_changed(project, prefect_serve
     assert dvc.status(project) == {}, "dvc status must be clean after a Prefect run"
 
     catalog = Catalog(project, "small")
-    for table in ("traces", "quarantine", "tasks", "synthetic", "rollouts", "eval"):
+    for table in ("traces", "quarantine", "tasks", "synthetic", "rollouts", "heldout", "eval"):
         assert len(catalog.read(table)) > 0, table
     heldout = catalog.read("tasks").query("split == 'heldout'")
     assert set(catalog.read("eval").query("model == 'rl'")["task_id"]) == set(heldout["task_id"])
@@ -52,6 +52,9 @@ def test_retrain_runs_caches_and_reruns_only_what_changed(project, prefect_serve
     version = client.get_model_version("small", "1")
     assert version.tags["flywheel.gate"] == "passed"
     assert any(k.startswith("flywheel.dvc.data/small/synthesize") for k in version.tags)
+    assert version.tags["flywheel.promotion"] == "gate" and version.tags["prefect.flow_run_id"]
+    evaluated = {a.path for a in client.list_artifacts(children["evaluate"].info.run_id)}
+    assert {"gate.json", "gate_slices.png"} <= evaluated
 
     second = retrain(pipeline="small", root=str(project))
     assert second["ran"] == [] and second["version"] == "1"

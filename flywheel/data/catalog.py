@@ -21,6 +21,7 @@ TABLES: dict[str, tuple[str, type[schemas.Strict]]] = {
     "tasks": ("collect", schemas.Tasks),
     "synthetic": ("synthesize", schemas.Synthetic),
     "rollouts": ("rl", schemas.Rollouts),
+    "heldout": ("evaluate", schemas.Tasks),  # the eval set this evaluation froze: its own DVC-tracked table
     "eval": ("evaluate", schemas.Eval),
 }
 

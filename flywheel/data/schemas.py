@@ -83,3 +83,5 @@ class Eval(Strict):
     reward: Series[float] = pa.Field(ge=0, le=1)
     passed: Series[bool]
     slice: Series[str]
+    tokens: Series[int] = pa.Field(ge=0)  # generated tokens over the episode: the cost the gate can limit
+    latency_s: Series[float] = pa.Field(ge=0)  # generation wall time over the episode

@@ -99,6 +99,21 @@ def _decide(candidate: pd.DataFrame, champion: pd.DataFrame | None, cfg: GateCon
         passed = False
         reasons.append(f"candidate score {score.estimate:.4f} is below min_score {cfg.min_score}")
 
+    for column, limit in (("tokens", cfg.max_tokens_per_task), ("latency_s", cfg.max_latency_s)):
+        if limit is None:
+            continue
+        if column not in candidate.columns:
+            passed = False
+            reasons.append(f"limit on {column} set, but the candidate's eval table has no '{column}' column")
+            continue
+        mean = float(pd.to_numeric(candidate[column], errors="coerce").mean())  # NaN fails the test below
+        numbers["candidate"][column] = mean
+        if mean <= limit:
+            reasons.append(f"mean {column} per episode {mean:.4g} <= limit {limit}")
+        else:
+            passed = False
+            reasons.append(f"mean {column} per episode {mean:.4g} exceeds limit {limit}")
+
     if champion is None:
         numbers["slices"] = {str(name): {"candidate": float(rows["reward"].mean()), "rows": len(rows)}
                              for name, rows in candidate.groupby("slice", sort=True)}

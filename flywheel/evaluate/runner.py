@@ -16,15 +16,30 @@ class ContaminationError(RuntimeError):
 
 
 def evaluate_model(model_dir: Path, env: Environment, tasks: list[Task], label: str, *, max_turns: int,
-                   tool_timeout_s: float, batch_size: int) -> list[dict]:
-    """Greedy episodes of the checkpoint on every task: rows of the eval table."""
+                   tool_timeout_s: float, batch_size: int, samples: int = 0, temperature: float = 1.0,
+                   seed: int = 0) -> list[dict]:
+    """Rows of the eval table: a greedy episode per task (sample 0), then `samples` seeded sampled ones (1..k)."""
     from flywheel.policies.hf import HFPolicy
 
     policy = HFPolicy(model_dir, batch_size=batch_size)
     episodes = run_episodes(env, policy, tasks, samples=1, sampling=Sampling(temperature=0.0),
                             max_turns=max_turns, tool_timeout_s=tool_timeout_s)
+    if samples:
+        sampled = run_episodes(env, policy, tasks, samples=samples,
+                               sampling=Sampling(temperature=temperature, seed=seed),
+                               max_turns=max_turns, tool_timeout_s=tool_timeout_s)
+        for episode in sampled:
+            episode.sample += 1
+        episodes += sampled
     return [{"model": label, "task_id": e.task.task_id, "sample": e.sample, "reward": e.reward,
-             "passed": e.passed, "slice": e.task.slice} for e in episodes]
+             "passed": e.passed, "slice": e.task.slice, "tokens": sum(_tokens(c) for c in e.completions),
+             "latency_s": float(sum(c.latency_s for c in e.completions))} for e in episodes]
+
+
+def _tokens(completion) -> int:
+    if completion.token_ids is not None:
+        return len(completion.token_ids)
+    return int(completion.usage.get("completion_tokens", 0))
 
 
 def conversation_prompt_hash(messages: list[dict]) -> str:

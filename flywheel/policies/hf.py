@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,7 +51,12 @@ class HFPolicy:
                     torch.manual_seed(sampling.seed)
                 for start in range(0, len(conversations), self.batch_size):
                     chunk = conversations[start:start + self.batch_size]
-                    completions.extend(self._generate_chunk(chunk, tools, sampling, device))
+                    started = time.perf_counter()
+                    generated = self._generate_chunk(chunk, tools, sampling, device)
+                    # a batch shares its wall time: each turn is charged its share of it
+                    for completion in generated:
+                        completion.latency_s = (time.perf_counter() - started) / len(generated)
+                    completions.extend(generated)
         finally:
             self.model.train(was_training)
         return completions

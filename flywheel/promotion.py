@@ -1,0 +1,158 @@
+"""Moving `champion`: through the gate against the current champion, compare-and-set; forced; rolled back.
+
+Every move happens under one lock per (MLflow store, model), and the champion is read again right before the
+alias is set, so two pipeline runs finishing together leave exactly one champion: the later one is gated
+against the earlier one's result. The lock is a file lock: it serialises promotions on one machine (next to a
+SQLite store); several machines sharing an MLflow server need one promoter at a time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+from mlflow.exceptions import MlflowException
+
+from flywheel.config import GateConfig
+from flywheel.evaluate.gate import GateDecision, decide
+from flywheel.registry import client, get_alias
+
+EVAL_ARTIFACT = "eval/eval.parquet"  # where register() stores a version's eval table
+CANDIDATE = "rl"  # the rows of the eval table that score the registered model itself
+
+
+class PromotionError(RuntimeError):
+    """A promotion that cannot be attempted (unknown version, nothing to roll back to)."""
+
+
+@dataclass
+class Promotion:
+    """What a promotion did: whether `version` is champion now, who was before, and why."""
+
+    promoted: bool
+    version: str
+    champion: str | None
+    previous: str | None
+    reasons: list[str] = field(default_factory=list)
+    how: str = "gate"  # gate, forced, rollback or unchanged
+
+
+def _lock_path(name: str) -> Path:
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    folder = Path(uri.removeprefix("sqlite:///")).parent if uri.startswith("sqlite:///") else \
+        Path(tempfile.gettempdir())
+    digest = hashlib.sha256(f"{uri}|{name}".encode()).hexdigest()[:16]
+    return folder / f".flywheel-promote-{digest}.lock"
+
+
+@contextmanager
+def promotion_lock(name: str) -> Iterator[None]:
+    """Hold the promotion lock of model `name` on this store (blocks until the holder is done)."""
+    path = _lock_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def eval_table(name: str, version: str) -> pd.DataFrame | None:
+    """The eval rows of the version's own model as stored at registration, or None when none were stored."""
+    import mlflow.artifacts
+
+    mv = client().get_model_version(name, version)
+    if not mv.run_id:
+        return None
+    try:
+        local = mlflow.artifacts.download_artifacts(run_id=mv.run_id, artifact_path=EVAL_ARTIFACT,
+                                                    dst_path=tempfile.mkdtemp(prefix="flywheel-eval-"))
+    except (MlflowException, OSError):
+        return None
+    frame = pd.read_parquet(local)
+    return frame[frame["model"] == CANDIDATE] if "model" in frame.columns else frame
+
+
+def gate_against_champion(name: str, version: str, champion: str | None, gate: GateConfig) -> GateDecision:
+    """Decide from the stored eval tables of `version` and `champion`; a missing table fails closed."""
+    candidate = eval_table(name, version)
+    if candidate is None:
+        return GateDecision(False, [f"version {version} of '{name}' has no stored eval table ({EVAL_ARTIFACT} in "
+                                    "its run); promote it with --force or register it again from a pipeline run"])
+    reference = None
+    if champion is not None:
+        reference = eval_table(name, champion)
+        if reference is None:
+            return GateDecision(False, [f"champion version {champion} of '{name}' has no stored eval table; "
+                                        "compare by hand and promote with --force"])
+    return decide(candidate, reference, gate)
+
+
+def _set_champion(name: str, version: str, previous: str | None, how: str, reasons: list[str]) -> None:
+    c = client()
+    if get_alias(name, "champion") and get_alias(name, "champion").version != previous:
+        # cannot happen while every writer holds the lock; if one did not, do not overwrite its move
+        raise PromotionError(f"champion of '{name}' moved while version {version} was being promoted; retry")
+    if previous and previous != version and how != "rollback":
+        c.set_model_version_tag(name, version, "flywheel.previous_champion", previous)
+    c.set_model_version_tag(name, version, "flywheel.promotion", how)
+    c.set_model_version_tag(name, version, "flywheel.promotion_reasons", "; ".join(reasons)[:5000])
+    c.set_registered_model_alias(name, "champion", version)
+
+
+def promote(name: str, version: str, gate: GateConfig, force: bool = False,
+            decision: GateDecision | None = None, judged_against: str | None = None) -> Promotion:
+    """Make `version` champion if it passes the gate against the champion of this moment (compare-and-set).
+
+    `decision` is a gate already taken against champion `judged_against` (None: there was none); it is used
+    only if that is still the champion, else the stored eval tables are gated again against the new one.
+    """
+    version = str(version)
+    try:
+        client().get_model_version(name, version)
+    except MlflowException as err:
+        raise PromotionError(f"model '{name}' has no version {version}") from err
+    with promotion_lock(name):
+        current = get_alias(name, "champion")
+        previous = current.version if current else None
+        if previous == version:
+            return Promotion(True, version, version, previous, [f"version {version} is already champion"],
+                             "unchanged")
+        if force:
+            reasons = ["forced: the gate was not run"]
+            _set_champion(name, version, previous, "forced", reasons)
+            return Promotion(True, version, version, previous, reasons, "forced")
+        if decision is None or judged_against != previous:
+            stale = decision is not None
+            decision = gate_against_champion(name, version, previous, gate)
+            if stale:
+                decision.reasons.insert(0, f"judged against {judged_against or 'no champion'}, but the champion "
+                                           f"is now {previous or 'none'}: gated again")
+        if not decision.passed:
+            return Promotion(False, version, previous, previous, decision.reasons)
+        _set_champion(name, version, previous, "gate", decision.reasons)
+        return Promotion(True, version, version, previous, decision.reasons)
+
+
+def rollback(name: str) -> Promotion:
+    """Return `champion` to the version recorded as the current champion's flywheel.previous_champion."""
+    with promotion_lock(name):
+        current = get_alias(name, "champion")
+        if current is None:
+            raise PromotionError(f"model '{name}' has no champion to roll back")
+        tags = client().get_model_version(name, current.version).tags
+        previous = tags.get("flywheel.previous_champion")
+        if not previous:
+            raise PromotionError(f"champion version {current.version} of '{name}' records no previous champion")
+        reasons = [f"rolled back from version {current.version}"]
+        client().set_model_version_tag(name, current.version, "flywheel.rolled_back", "true")
+        _set_champion(name, previous, current.version, "rollback", reasons)
+        return Promotion(True, previous, previous, current.version, reasons, "rollback")

@@ -1,0 +1,169 @@
+"""Promotion: through the gate (compare-and-set under concurrency), forced, rolled back; retried registration."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+from typer.testing import CliRunner
+
+from flywheel import promotion, registry
+from flywheel.config import GateConfig
+
+GATE = GateConfig(min_score=0.5, mode="non_inferior", margin=0.03, max_slice_regression=0.05,
+                  bootstrap_samples=500, confidence=0.95, seed=0)
+
+
+def _eval_table(folder: Path, solved: int, tasks: int = 40) -> Path:
+    """An eval table whose candidate rows solve the first `solved` of `tasks` held-out tasks."""
+    rows = [{"task_id": f"t{i:03d}", "sample": 0, "reward": float(i < solved), "passed": i < solved,
+             "slice": "even" if i % 2 == 0 else "odd", "model": "rl"} for i in range(tasks)]
+    path = folder / "eval.parquet"
+    pd.DataFrame(rows).to_parquet(path, index=False)
+    return path
+
+
+def _version(tmp_path: Path, label: str, solved: int | None, name: str = "p") -> str:
+    """Register a model version with (or without, when solved is None) a stored eval table."""
+    folder = tmp_path / label
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "config.json").write_text(f'{{"id": "{label}"}}')
+    table = _eval_table(folder, solved) if solved is not None else None
+    run = registry.start_run(tmp_path, name, "register")
+    return registry.register(run, name, folder / "model", f"hash-{label}", {}, ["challenger"],
+                             eval_table=table).version
+
+
+def test_first_version_is_judged_by_the_absolute_rule(tmp_path, mlflow_store):
+    weak, good = _version(tmp_path, "weak", 10), _version(tmp_path, "good", 36)
+    assert not promotion.promote("p", weak, GATE).promoted
+    assert registry.get_alias("p", "champion") is None
+    outcome = promotion.promote("p", good, GATE)
+    assert outcome.promoted and outcome.previous is None
+    assert registry.get_alias("p", "champion").version == good
+
+
+def test_a_worse_version_does_not_replace_the_champion(tmp_path, mlflow_store):
+    good, worse = _version(tmp_path, "good", 38), _version(tmp_path, "worse", 30)
+    promotion.promote("p", good, GATE)
+    outcome = promotion.promote("p", worse, GATE)
+    assert not outcome.promoted and outcome.champion == good
+    assert any("non-inferiority not shown" in r for r in outcome.reasons), outcome.reasons
+
+
+def test_a_stale_decision_is_taken_again_against_the_new_champion(tmp_path, mlflow_store):
+    best, worse = _version(tmp_path, "best", 40), _version(tmp_path, "worse", 30)
+    promotion.promote("p", best, GATE)
+    # `worse` passed against no champion at evaluate time, but `best` became champion meanwhile
+    passed = promotion.gate_against_champion("p", worse, None, GATE)
+    assert passed.passed
+    outcome = promotion.promote("p", worse, GATE, decision=passed, judged_against=None)
+    assert not outcome.promoted and registry.get_alias("p", "champion").version == best
+    assert "gated again" in outcome.reasons[0]
+
+
+@pytest.mark.parametrize("order", [("better", "worse"), ("worse", "better")])
+def test_concurrent_promotions_leave_one_champion_the_better(tmp_path, mlflow_store, order):
+    versions = {"better": _version(tmp_path, "better", 39), "worse": _version(tmp_path, "worse", 30)}
+    start = threading.Barrier(2)
+    outcomes, errors = {}, []
+
+    def attempt(label: str) -> None:
+        try:
+            start.wait()
+            # each judged against "no champion", as two pipeline runs evaluated before either registered
+            decision = promotion.gate_against_champion("p", versions[label], None, GATE)
+            outcomes[label] = promotion.promote("p", versions[label], GATE, decision=decision,
+                                                judged_against=None)
+        except Exception as err:  # noqa: BLE001 -- reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=attempt, args=(label,)) for label in order]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    champion = registry.get_alias("p", "champion")
+    assert champion.version == versions["better"]
+    holders = [v for v in versions.values() if "champion" in registry.get_version("p", v).aliases]
+    assert len(holders) == 1
+
+
+def test_forced_promotion_is_tagged_and_rollback_returns(tmp_path, mlflow_store):
+    good, untested = _version(tmp_path, "good", 38), _version(tmp_path, "untested", None)
+    promotion.promote("p", good, GATE)
+    refused = promotion.promote("p", untested, GATE)
+    assert not refused.promoted and "no stored eval table" in refused.reasons[0]
+    forced = promotion.promote("p", untested, GATE, force=True)
+    assert forced.promoted and forced.how == "forced"
+    tags = MlflowClient().get_model_version("p", untested).tags
+    assert tags["flywheel.promotion"] == "forced" and tags["flywheel.previous_champion"] == good
+    back = promotion.rollback("p")
+    assert back.champion == good and registry.get_alias("p", "champion").version == good
+    assert MlflowClient().get_model_version("p", untested).tags["flywheel.rolled_back"] == "true"
+    with pytest.raises(promotion.PromotionError, match="records no previous champion"):
+        promotion.rollback("p")
+
+
+def test_promote_command(project, tmp_path):
+    from flywheel.cli import app
+
+    good, untested = _version(tmp_path, "good", 38, "small"), _version(tmp_path, "untested", None, "small")
+    runner = CliRunner()
+    ok = runner.invoke(app, ["promote", "small", good, "--root", str(project)])
+    assert ok.exit_code == 0, ok.output
+    refused = runner.invoke(app, ["promote", "small", untested, "--root", str(project)])
+    assert refused.exit_code == 1
+    forced = runner.invoke(app, ["promote", "small", untested, "--force", "--root", str(project)])
+    assert forced.exit_code == 0 and "forced" in forced.output
+    back = runner.invoke(app, ["promote", "small", "--rollback", "--root", str(project)])
+    assert back.exit_code == 0 and f"champion is version {good}" in back.output
+
+
+def test_registration_is_idempotent_under_a_prefect_retry(tmp_path, mlflow_store, prefect_server):
+    from prefect import flow, task
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    attempts = []
+
+    @task(retries=1, retry_delay_seconds=0)
+    def register_then_fail_once() -> str:
+        run = registry.start_run(tmp_path, "p", "register")
+        version = registry.register(run, "p", model, "hash-retried", {}, ["challenger"])
+        attempts.append(version.version)
+        if len(attempts) == 1:
+            raise RuntimeError("worker lost after registering")
+        return version.version
+
+    @flow
+    def retried() -> str:
+        return register_then_fail_once()
+
+    assert retried() == "1"
+    assert attempts == ["1", "1"]
+    assert len(MlflowClient().search_model_versions("name = 'p'")) == 1
+
+
+def test_concurrent_promotions_from_two_processes(tmp_path, mlflow_store):
+    import subprocess
+    import sys
+
+    versions = {"better": _version(tmp_path, "better", 39), "worse": _version(tmp_path, "worse", 30)}
+    script = ("import sys; from flywheel import promotion; from tests.test_promotion import GATE; "
+              "d = promotion.gate_against_champion('p', sys.argv[1], None, GATE); "
+              "print(promotion.promote('p', sys.argv[1], GATE, decision=d, judged_against=None).promoted)")
+    root = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", script, v], cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for v in versions.values()]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-2000:]
+    assert registry.get_alias("p", "champion").version == versions["better"]
+    assert [v for v in versions.values() if "champion" in registry.get_version("p", v).aliases] == \
+        [versions["better"]]
