@@ -158,6 +158,8 @@ def download(version: Version, dst: Path | None = None) -> Path:
 def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
              aliases: list[str], eval_table: Path | None = None) -> Version:
     """Register the checkpoint as a new version, or return the one already holding this model_hash (idempotent)."""
+    if "champion" in aliases:  # it moves under the promotion lock, compare-and-set, never as a side effect
+        raise ValueError("register() does not set 'champion': use flywheel.promotion.promote")
     c = client()
     try:
         c.create_registered_model(name, description=f"Student models of the '{name}' pipeline")
@@ -173,8 +175,5 @@ def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
         mv = c.create_model_version(name, source=run.artifact_uri("model"), run_id=run.run_id,
                                     tags={"flywheel.model_hash": model_hash, **{k: str(v) for k, v in tags.items()}})
     for alias in aliases:
-        previous = get_alias(name, alias)
-        if alias == "champion" and previous and previous.version != str(mv.version):
-            c.set_model_version_tag(name, str(mv.version), "flywheel.previous_champion", previous.version)
         c.set_registered_model_alias(name, alias, str(mv.version))
     return _version(c.get_model_version(name, str(mv.version)))

@@ -38,16 +38,21 @@ def test_a_failing_stage_marks_its_run_failed(tmp_path, mlflow_store):
 
 
 def test_registration_is_idempotent_and_aliases_move(tmp_path, mlflow_store):
+    from flywheel.config import GateConfig
+    from flywheel.promotion import promote
+
     run = registry.start_run(tmp_path, "p", "register")
     first = registry.register(run, "p", _model(tmp_path, "a"), "hash-a", {"flywheel.gate": "passed"},
-                              ["challenger", "champion"])
-    again = registry.register(run, "p", _model(tmp_path, "a2"), "hash-a", {}, ["challenger", "champion"])
+                              ["challenger"])
+    promote("p", first.version, GateConfig(), force=True)
+    again = registry.register(run, "p", _model(tmp_path, "a2"), "hash-a", {}, ["challenger"])
     assert first.version == again.version == "1", "a retried registration makes no second version"
     second = registry.register(run, "p", _model(tmp_path, "b"), "hash-b", {}, ["challenger"])
     assert second.version == "2"
     assert registry.get_alias("p", "champion").version == "1"
     assert registry.get_alias("p", "challenger").version == "2"
-    third = registry.register(run, "p", _model(tmp_path, "c"), "hash-c", {}, ["challenger", "champion"])
+    third = registry.register(run, "p", _model(tmp_path, "c"), "hash-c", {}, ["challenger"])
+    promote("p", third.version, GateConfig(), force=True)
     assert registry.get_alias("p", "champion").version == third.version == "3"
     tags = MlflowClient().get_model_version("p", "3").tags
     assert tags["flywheel.previous_champion"] == "1" and tags["flywheel.model_hash"] == "hash-c"
