@@ -39,6 +39,15 @@ def load_student(path: str | Path):
     return model, tokenizer
 
 
+def save_student(model, tokenizer, out_dir: str | Path) -> Path:
+    """Write (model, tokenizer) as a checkpoint folder that load_student reads back (safetensors)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
 def canonical_messages(messages: list[dict]) -> list[dict]:
     """Copies with tool-call arguments as canonical JSON text, the form templates write verbatim."""
     out = []

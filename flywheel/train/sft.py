@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from flywheel.config import SFTConfig
-from flywheel.train.checkpoint import canonical_messages, load_student
+from flywheel.train.checkpoint import canonical_messages, load_student, save_student
 
 FINGERPRINT = "flywheel-sft.json"
 
@@ -80,9 +80,7 @@ def train_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTCon
         started = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=resume)
         runtime = time.perf_counter() - started
-        out_dir.mkdir(parents=True, exist_ok=True)
-        trainer.model.save_pretrained(out_dir, safe_serialization=True)
-        trainer.processing_class.save_pretrained(out_dir)
+        save_student(trainer.model, trainer.processing_class, out_dir)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     tokens = trainer.state.num_input_tokens_seen - trainer.tokens_at_start
     return {"train_loss": float(result.training_loss), "final_loss": float(losses[-1]) if losses else None,

@@ -33,7 +33,7 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
              max_turns: int, on_step: Callable[[int, dict], None] | None = None) -> tuple[list[dict], dict]:
     """GRPO-family RL from the checkpoint in model_dir; saves to out_dir; returns (rollout rows, summary)."""
     from flywheel.policies.hf import HFPolicy
-    from flywheel.train.checkpoint import load_student
+    from flywheel.train.checkpoint import load_student, save_student
 
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_student(model_dir)
@@ -87,10 +87,7 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
         if on_step:
             on_step(step, metrics)
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    save_student(model, tokenizer, out_dir)
     summary = {"steps": cfg.steps, "policy_version": version, "episodes": len(rows),
                "wall_time_s": time.perf_counter() - started}
     if history:
