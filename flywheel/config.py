@@ -237,14 +237,37 @@ class RLConfig(Section):
     tasks_per_step: int = Field(16, ge=1)
     group_size: int = Field(4, ge=2)
     temperature: float = Field(1.0, gt=0)
+    max_new_tokens: int = Field(64, ge=1)  # per assistant turn
     lr: float = Field(3e-5, gt=0)  # 2e-4 and above break the tiny student's digit copying (measured)
     clip_eps: float = Field(0.2, gt=0)
     epochs_per_batch: int = Field(2, ge=1)
     minibatch_size: int = Field(32, ge=1)
     max_grad_norm: float = Field(1.0, gt=0)
-    loss_type: Literal["grpo", "dr_grpo"] = "grpo"
+    # grpo: mean per sequence, then over sequences; dr_grpo: token sum / (sequences * max_length), advantages
+    # not divided by the group std; dapo: mean over every assistant token of the minibatch.
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "grpo"
     max_length: int = Field(128, ge=16)
     seed: int = 0
+    # Asynchronous rollouts: actor processes generate while the learner steps. A group made by policy version
+    # v is used at learner step s only if s - v <= max_staleness; 0 is the synchronous baseline (actors wait
+    # for each new version). actors: 0 generates in the learner's own process (synchronous only).
+    actors: int = Field(1, ge=0)
+    max_staleness: int = Field(1, ge=0)
+    tis_cap: float = Field(2.0, gt=0)  # truncated importance sampling: weights pi_old/pi_behaviour capped here
+    kl_beta: float = Field(0.0, ge=0)  # KL to the starting checkpoint (frozen reference); 0: no reference kept
+    # torch threads of the learner and of each actor: on a small machine one actor + the learner must not
+    # oversubscribe the cores, or overlapping them is slower than taking turns.
+    learner_threads: int = Field(1, ge=1)
+    actor_threads: int = Field(1, ge=1)
+    generation: Literal["hf", "vllm"] = "hf"  # the actors' engine: transformers (CPU/GPU) or vLLM (GPU)
+    checkpoint_every: int = Field(5, ge=0)  # learner steps between resumable checkpoints; 0: none
+
+    @model_validator(mode="after")
+    def _in_process_is_synchronous(self) -> RLConfig:
+        if self.actors == 0 and self.max_staleness > 0:
+            raise ValueError("actors: 0 generates in the learner's process, which cannot overlap with "
+                             "learning: set max_staleness: 0, or actors >= 1")
+        return self
 
 
 class EvaluateConfig(Section):

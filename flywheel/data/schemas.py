@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import pandera.pandas as pa
 from pandera.typing import Series
 
@@ -74,6 +75,13 @@ class Rollouts(Strict):
     advantage: Series[float] = pa.Field(nullable=True)
     tokens: Series[int] = pa.Field(ge=0)
     passed: Series[bool]
+    dropped: Series[bool]  # consumed past max_staleness: counted, never trained on
+    split: Series[bool]  # trained as per-turn segments: the template re-tokenised the episode differently
+
+    @pa.dataframe_check
+    def behaviour_not_newer(cls, df: pd.DataFrame) -> Series[bool]:
+        """policy_version - behaviour_version is the staleness: never negative."""
+        return df["behaviour_version"] <= df["policy_version"]
 
 
 class Eval(Strict):

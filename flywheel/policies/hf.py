@@ -35,6 +35,10 @@ class HFPolicy:
         """Generate with this model from now on (the RL learner's live weights)."""
         self.model = model
 
+    def load_weights(self, state_dict) -> None:
+        """Copy published weights (an RL learner's state dict) into the model in place."""
+        self.model.load_state_dict(state_dict)
+
     def generate(self, conversations: Sequence[list[dict]], tools: list[dict],
                  sampling: Sampling) -> list[Completion]:
         """One completion per conversation, with the generated token ids and their sampling logprobs."""

@@ -32,6 +32,16 @@ class VLLMPolicy:
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
                        **(engine_args or {}))
 
+    def load_weights(self, state_dict) -> None:
+        """Push an RL learner's published weights into the running engine (no restart), as TRL's colocate mode.
+
+        Needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); the prefix cache is reset because
+        cached keys and values were computed by the old weights.
+        """
+        model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        model.load_weights(list(state_dict.items()))
+        self.llm.reset_prefix_cache()
+
     def generate(self, conversations: Sequence[list[dict]], tools: list[dict], sampling: Sampling,
                  samples: Sequence[int] | None = None) -> list[Completion]:
         """One completion per conversation; identical conversations get distinct seeds (see sample_indexes)."""

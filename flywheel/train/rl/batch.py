@@ -1,4 +1,4 @@
-"""Scored episodes to training tensors: group advantages, token ids with assistant masks, padded batches."""
+"""Scored episodes to training tensors: encoded rollouts with behaviour logprobs, groups, padded batches."""
 
 from __future__ import annotations
 
@@ -9,25 +9,57 @@ import torch
 
 from flywheel.agent import Episode
 from flywheel.train.checkpoint import encode_conversation
-from flywheel.train.rl.advantages import AdvantageKind, group_advantages
+from flywheel.train.rl.advantages import group_advantages
+
+
+@dataclass
+class Segment:
+    """Token ids with a loss mask (1: generated assistant tokens) and the behaviour logprobs aligned to them."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    behaviour_logprobs: list[float]
+
+
+@dataclass
+class Rollout:
+    """One episode as it travels from an actor to the learner: its training segments and its score.
+
+    Usually one segment, the whole conversation as the chat template encodes it. When the template does not
+    re-tokenise the episode into the tokens that were generated (a malformed tool call re-rendered, a BPE
+    merge across a turn boundary), each turn becomes its own segment, its prompt exactly as the policy saw it
+    plus the ids it generated (`split`): the behaviour logprobs are never misaligned.
+    """
+
+    task_id: str
+    sample: int
+    reward: float
+    passed: bool
+    segments: list[Segment]
+    split: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """Assistant tokens the loss sees."""
+        return sum(sum(s.loss_mask) for s in self.segments)
 
 
 @dataclass
 class Group:
-    """The G episodes of one task in one step, and their advantages (None: equal rewards, no signal)."""
+    """The G rollouts of one task, made for learner step `step` by policy version `behaviour_version`."""
 
-    index: int
-    episodes: list[Episode]
-    advantages: list[float] | None
-
-    @property
-    def skipped(self) -> bool:
-        return self.advantages is None
+    step: int
+    index: int  # the task's position among the step's tasks
+    behaviour_version: int
+    rollouts: list[Rollout]
+    actor: int = 0  # -1: generated in the learner's own process
+    generate_s: float = 0.0  # the actor's generation time, this group's share
+    idle_s: float = 0.0  # the actor's waiting time (for weights, for buffer room), this group's share
 
 
 @dataclass
 class Sample:
-    """One episode as the learner sees it; behaviour_logprobs are the actor's, if known."""
+    """One rollout as the learner trains on it."""
 
     input_ids: list[int]
     loss_mask: list[int]
@@ -35,8 +67,85 @@ class Sample:
     behaviour_logprobs: list[float] | None = None
 
 
-def make_groups(episodes: Sequence[Episode], group_size: int, kind: AdvantageKind) -> list[Group]:
-    """Split run_episodes' output (task-major, `group_size` samples per task) into scored groups."""
+def _assistant_runs(mask: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, end) of each contiguous run of assistant tokens: one per assistant turn."""
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def align_behaviour(episode: Episode, input_ids: list[int], mask: list[int], eos_id: int,
+                    max_length: int) -> tuple[list[int], list[float]] | None:
+    """(loss mask, behaviour logprobs) aligned with input_ids, or None when the tokens differ from the generated.
+
+    Each assistant run of the encoding must hold its turn's generated ids. A turn cut off at max_new_tokens
+    renders with an end token the policy never sampled: that token leaves the loss mask (no behaviour logprob).
+    A conversation cut at max_length keeps the turns (and the part of a turn) that fit.
+    """
+    turns = episode.completions
+    runs = _assistant_runs(mask)
+    cut = len(input_ids) >= max_length  # encode_conversation cut the conversation here
+    if len(runs) > len(turns) or (len(runs) < len(turns) and not cut):
+        return None
+    mask, behaviour = list(mask), [0.0] * len(input_ids)
+    for (start, end), turn in zip(runs, turns, strict=False):
+        span, ids = input_ids[start:end], turn.token_ids
+        if span == ids or (cut and end == len(input_ids) and ids[:len(span)] == span):
+            n = len(span)
+        elif span[:len(ids)] == ids and (not ids or ids[-1] != eos_id):
+            n = len(ids)
+            mask[start + n:end] = [0] * (end - start - n)
+        else:
+            return None
+        behaviour[start:start + n] = turn.logprobs[:n]
+    return mask, behaviour
+
+
+def turn_segments(episode: Episode, tokenizer, tools: list[dict], max_length: int) -> list[Segment]:
+    """Each assistant turn as a segment: the prompt as the policy saw it, then the ids it generated."""
+    from flywheel.train.checkpoint import canonical_messages
+
+    starts = [i for i, m in enumerate(episode.messages)
+              if i >= len(episode.task.prompt) and m["role"] == "assistant"]
+    if len(starts) != len(episode.completions):
+        raise ValueError(f"task {episode.task.task_id}: {len(episode.completions)} turns generated but "
+                         f"{len(starts)} assistant messages in the episode")
+    segments = []
+    for start, turn in zip(starts, episode.completions, strict=True):
+        prompt = tokenizer.apply_chat_template(canonical_messages(episode.messages[:start]), tools=tools or None,
+                                               add_generation_prompt=True, tokenize=True, return_dict=True)
+        prompt_ids = list(prompt["input_ids"])
+        ids = (prompt_ids + list(turn.token_ids))[:max_length]
+        n = len(ids) - len(prompt_ids)
+        if n > 0:
+            segments.append(Segment(ids, [0] * len(prompt_ids) + [1] * n,
+                                    [0.0] * len(prompt_ids) + list(turn.logprobs[:n])))
+    return segments
+
+
+def encode_episode(episode: Episode, tokenizer, tools: list[dict], max_length: int) -> Rollout:
+    """The episode as the learner sees it: segments of tokens, assistant masks and behaviour logprobs."""
+    if any(c.token_ids is None or c.logprobs is None for c in episode.completions):
+        raise ValueError(f"task {episode.task.task_id}: the policy returned no token ids or logprobs; RL needs "
+                         "a backend that has them (hf, vllm)")
+    input_ids, mask = encode_conversation(tokenizer, episode.messages, tools, max_length)
+    aligned = align_behaviour(episode, input_ids, mask, tokenizer.eos_token_id, max_length)
+    if aligned is not None:
+        segments, split = [Segment(input_ids, *aligned)], False
+    else:
+        segments, split = turn_segments(episode, tokenizer, tools, max_length), True
+    return Rollout(episode.task.task_id, episode.sample, float(episode.reward), bool(episode.passed), segments,
+                   split)
+
+
+def make_groups(episodes: Sequence[Episode], group_size: int, tokenizer, tools: list[dict], max_length: int,
+                step: int, version: int) -> list[Group]:
+    """Split run_episodes' output (task-major, `group_size` samples per task) into encoded groups."""
     if len(episodes) % group_size:
         raise ValueError(f"{len(episodes)} episodes do not split into groups of {group_size}")
     groups = []
@@ -44,21 +153,20 @@ def make_groups(episodes: Sequence[Episode], group_size: int, kind: AdvantageKin
         members = list(episodes[start:start + group_size])
         if len({e.task.task_id for e in members}) != 1:
             raise ValueError(f"group {index} mixes tasks: run_episodes must return a task's samples together")
-        groups.append(Group(index, members, group_advantages([e.reward for e in members], kind)))
+        groups.append(Group(step, index, version,
+                            [encode_episode(e, tokenizer, tools, max_length) for e in members]))
     return groups
 
 
-def encode_groups(groups: Sequence[Group], tokenizer, tools: list[dict],
-                  max_length: int) -> tuple[list[Sample], dict[tuple[int, int], int]]:
-    """Samples of the groups that carry a signal, and each episode's assistant tokens by (group, sample)."""
-    samples, tokens = [], {}
-    for group in groups:
-        for i, episode in enumerate(group.episodes):
-            input_ids, mask = encode_conversation(tokenizer, episode.messages, tools, max_length)
-            tokens[(group.index, episode.sample)] = int(sum(mask))
-            if not group.skipped:
-                samples.append(Sample(input_ids, mask, group.advantages[i]))
-    return samples, tokens
+def advantages_of(group: Group, loss_type: str) -> list[float] | None:
+    """The group's advantages (None: equal rewards, no signal); dr_grpo does not divide by the std."""
+    return group_advantages([r.reward for r in group.rollouts], "dr_grpo" if loss_type == "dr_grpo" else "grpo")
+
+
+def samples_of(group: Group, advantages: list[float]) -> list[Sample]:
+    """The group's training samples: one per segment, each with its rollout's advantage."""
+    return [Sample(seg.input_ids, seg.loss_mask, a, seg.behaviour_logprobs)
+            for r, a in zip(group.rollouts, advantages, strict=True) for seg in r.segments]
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -83,4 +191,3 @@ def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
             behaviour[row, :len(sample.behaviour_logprobs)] = torch.tensor(sample.behaviour_logprobs)
         batch["behaviour_logprobs"] = behaviour
     return batch
-

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flywheel.config import RLConfig
-from flywheel.train.rl.loss import policy_loss, token_logprobs
+from flywheel.train.rl.loss import k3_kl, policy_loss, token_logprobs
 
 _MAXIMA = ("ratio_max", "is_weight_max", "grad_norm_max")
 
@@ -20,13 +20,21 @@ def batch_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk
 
 
 def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
-                   cfg: RLConfig, generator: torch.Generator, tis_cap: float = 2.0) -> dict[str, float]:
+                   cfg: RLConfig, generator: torch.Generator,
+                   reference: torch.nn.Module | None = None) -> dict[str, float]:
     """cfg.epochs_per_batch passes of minibatch steps; the ratio is against the batch's starting weights.
 
-    A batch with behaviour_logprobs (async rollouts) also gets truncated importance weights.
+    A batch with behaviour_logprobs (the actors' sampling logprobs) also gets truncated importance weights
+    (cap cfg.tis_cap); with a reference model, a k3 KL penalty (cfg.kl_beta) towards it.
     """
     model.eval()  # deterministic old log-probs (no dropout)
     old = batch_logprobs(model, batch, cfg.minibatch_size, cfg.temperature)
+    ref = batch_logprobs(reference, batch, cfg.minibatch_size, cfg.temperature) if reference is not None else None
+    extra: dict[str, float] = {}
+    if "behaviour_logprobs" in batch:
+        # How far the learner's policy has moved from the one that sampled: the cost of staleness.
+        mask = batch["loss_mask"]
+        extra["kl_behaviour"] = float((k3_kl(old, batch["behaviour_logprobs"]) * mask).sum() / mask.sum().clamp(min=1))
     model.train()
     totals: dict[str, float] = {}
     maxima: dict[str, float] = {}
@@ -40,7 +48,7 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
             loss, stats = policy_loss(
                 logprobs, old[idx], batch["advantages"][idx], batch["loss_mask"][idx], clip_eps=cfg.clip_eps,
                 loss_type=cfg.loss_type, max_length=cfg.max_length, behaviour_logprobs=behaviour,
-                tis_cap=tis_cap)
+                tis_cap=cfg.tis_cap, ref_logprobs=None if ref is None else ref[idx], beta=cfg.kl_beta)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -53,4 +61,4 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
             count += 1
     model.eval()
     # Maxima stay maxima: an average of per-minibatch maxima would hide the outlier they exist to show.
-    return {key: value / count for key, value in totals.items()} | maxima | {"updates": count}
+    return {key: value / count for key, value in totals.items()} | maxima | extra | {"updates": count}

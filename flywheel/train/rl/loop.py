@@ -1,98 +1,181 @@
-"""The synchronous RL loop: each step the live policy rolls out scored groups, then learns."""
+"""The RL loop: actors roll out scored groups with a policy snapshot while the learner steps and publishes.
+
+    source (work per step) -> actors (processes: episodes, rubric, encode) -> bounded buffer -> learner
+    learner: drop stale groups, group advantages, clipped loss with truncated IS, step, publish weights
+
+`max_staleness: 0` is the synchronous baseline on the same code: an actor starts step s's work only once the
+weights of version s are published, so it waits while the learner steps. `actors: 0` generates in the
+learner's own process (synchronous only), which gives the same rollouts and weights as one actor with
+max_staleness 0.
+"""
 
 from __future__ import annotations
 
-import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from flywheel.agent import run_episodes
 from flywheel.config import RLConfig
 from flywheel.envs.base import Environment, Task
-from flywheel.policies.base import Sampling
-from flywheel.train.rl.batch import collate, encode_groups, make_groups
+from flywheel.train.rl.actor import ActorPool, rollout
+from flywheel.train.rl.batch import Group, advantages_of, collate, samples_of
+from flywheel.train.rl.buffer import RolloutBuffer
+from flywheel.train.rl.checkpoints import Checkpoints, fingerprint
 from flywheel.train.rl.learner import learn_on_batch
+from flywheel.train.rl.source import task_stream, work_items
+from flywheel.train.rl.weights import WeightBoard
+
+__all__ = ["task_stream", "train_rl"]
 
 
-def task_stream(tasks: list[Task], seed: int) -> Iterator[Task]:
-    """The tasks in a seeded order, reshuffled each time the list runs out."""
-    if not tasks:
-        raise ValueError("train_rl needs at least one task")
-    rng = random.Random(seed)
-    while True:
-        order = list(tasks)
-        rng.shuffle(order)
-        yield from order
+def _rows(step: int, version: int, groups: list[Group], advantages: dict[int, list[float] | None],
+          dropped: set[int]) -> list[dict]:
+    rows = []
+    for group in groups:
+        adv = advantages.get(group.index)
+        for i, r in enumerate(group.rollouts):
+            rows.append({"step": step, "policy_version": version, "behaviour_version": group.behaviour_version,
+                         "task_id": r.task_id, "group": group.index, "sample": r.sample, "reward": r.reward,
+                         "advantage": None if adv is None else float(adv[i]), "tokens": r.tokens,
+                         "passed": r.passed, "dropped": group.index in dropped, "split": r.split})
+    return rows
 
 
 def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig, out_dir: Path,
-             max_turns: int, on_step: Callable[[int, dict], None] | None = None) -> tuple[list[dict], dict]:
-    """GRPO-family RL from the checkpoint in model_dir; saves to out_dir; returns (rollout rows, summary)."""
+             max_turns: int, on_step: Callable[[int, dict], None] | None = None,
+             checkpoint_dir: Path | None = None) -> tuple[list[dict], dict]:
+    """GRPO-family RL from the checkpoint in model_dir; saves to out_dir; returns (rollout rows, summary).
+
+    Checkpoints go to checkpoint_dir (default: `rl-checkpoints` beside out_dir); a killed run resumes there.
+    """
     from flywheel.policies.hf import HFPolicy
     from flywheel.train.checkpoint import load_student, save_student
 
+    started = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.learner_threads)
+    checkpoints = Checkpoints(checkpoint_dir or Path(out_dir).parent / "rl-checkpoints",
+                              fingerprint(Path(model_dir), tasks, cfg, env.name, max_turns))
+    resumed = checkpoints.latest()
+    first = resumed.step if resumed else 0
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_student(model_dir)
-    policy = HFPolicy(model, tokenizer)
+    model, tokenizer = load_student(resumed.model_dir if resumed else model_dir)
+    reference = load_student(model_dir)[0] if cfg.kl_beta > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     shuffle = torch.Generator().manual_seed(cfg.seed)
-    stream = task_stream(tasks, cfg.seed)
-    tools = env.tools()
+    rows, history = [], []
+    if resumed:
+        optimizer.load_state_dict(resumed.optimizer)
+        shuffle.set_state(resumed.shuffle)
+        rows, history = resumed.rows, resumed.history
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    work = work_items(tasks, cfg.tasks_per_step, cfg.seed, first, cfg.steps)
 
-    rows: list[dict] = []
-    history: list[dict] = []
-    version = 0  # the weights that generate this step's rollouts; the loaded checkpoint is version 0
-    started = time.perf_counter()
-    for step in range(cfg.steps):
-        t0 = time.perf_counter()
-        step_tasks = [next(stream) for _ in range(cfg.tasks_per_step)]
-        sampling = Sampling(temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + step)
-        episodes = run_episodes(env, policy, step_tasks, samples=cfg.group_size, sampling=sampling,
-                                max_turns=max_turns)
-        rollout_s = time.perf_counter() - t0
+    pool = None
+    if cfg.actors:
+        ctx = torch.multiprocessing.get_context("spawn")  # fork with torch threads running is unsafe
+        board = WeightBoard(model.state_dict(), ctx)
+        board.publish(model, first)
+        # Room for every group the staleness bound lets the actors make ahead of the learner.
+        size = (cfg.max_staleness + 1) * cfg.tasks_per_step * cfg.actors
+        pool = ActorPool(cfg.actors, Path(model_dir), env, cfg, max_turns, board, ctx, size)
+        pool.start(work)
+        buffer = RolloutBuffer(pool.buffer, cfg.max_staleness, pool.check)
+    else:
+        policy = HFPolicy(model, tokenizer)
 
-        groups = make_groups(episodes, cfg.group_size, cfg.loss_type)
-        samples, tokens = encode_groups(groups, tokenizer, tools, cfg.max_length)
-        stats = learn_on_batch(model, optimizer, collate(samples, pad_id), cfg, shuffle) if samples else {}
-        # Sync RL: the learner consumes exactly the version that generated, then publishes the next one.
-        for group in groups:
-            for i, episode in enumerate(group.episodes):
-                rows.append({"step": step, "policy_version": version, "behaviour_version": version,
-                             "task_id": episode.task.task_id, "group": group.index, "sample": episode.sample,
-                             "reward": float(episode.reward),
-                             "advantage": None if group.skipped else float(group.advantages[i]),
-                             "tokens": tokens[(group.index, episode.sample)], "passed": bool(episode.passed)})
-        version += 1
+    totals = {"wait_s": 0.0, "learn_s": 0.0, "generate_s": 0.0, "actor_idle_s": 0.0}
+    steps_started = time.perf_counter()
+    learn_s = 0.0
+    try:
+        for item in work:
+            step = version = item.step  # the learner's weights at this step are version `step`
+            t0 = time.perf_counter()
+            if pool:
+                groups, stale, wait_s = buffer.take(step, cfg.tasks_per_step, version)
+            else:
+                groups = rollout(env, policy, tokenizer, item, cfg, max_turns, version)
+                stale, wait_s = [], time.perf_counter() - t0
+                for group in groups:  # the learner is its own actor: it generates, then waits while it learns
+                    group.actor, group.generate_s = -1, wait_s / len(groups)
+                    group.idle_s = learn_s / len(groups)
+            t1 = time.perf_counter()
 
-        rewards = np.array([e.reward for e in episodes], dtype=np.float64)
-        step_time = time.perf_counter() - t0
-        assistant_tokens = sum(tokens.values())
-        metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-                   "pass_rate": float(np.mean([e.passed for e in episodes])),
-                   "skipped_groups": sum(g.skipped for g in groups), "groups": len(groups),
-                   "loss": stats.get("loss", float("nan")), "clip_fraction": stats.get("clip_fraction", 0.0),
-                   "ratio_mean": stats.get("ratio_mean", 1.0), "ratio_max": stats.get("ratio_max", 1.0),
-                   "grad_norm": stats.get("grad_norm", 0.0), "updates": stats.get("updates", 0),
-                   # assistant tokens (generated and learned from) per second of the whole step
-                   "tokens_per_s": assistant_tokens / step_time, "rollout_s": rollout_s,
-                   "step_time_s": step_time, "policy_version": version}
-        if "kl" in stats:
-            metrics["kl"] = stats["kl"]
-        history.append(metrics)
-        if on_step:
-            on_step(step, metrics)
+            advantages = {g.index: advantages_of(g, cfg.loss_type) for g in groups}
+            samples = [s for g in groups if advantages[g.index] is not None
+                       for s in samples_of(g, advantages[g.index])]
+            stats = (learn_on_batch(model, optimizer, collate(samples, pad_id), cfg, shuffle, reference)
+                     if samples else {})
+            if pool:
+                board.publish(model, version + 1)
+            everything = sorted(groups + stale, key=lambda g: g.index)
+            rows.extend(_rows(step, version, everything, advantages, {g.index for g in stale}))
+            learn_s = time.perf_counter() - t1
+            metrics = _metrics(groups, stale, stats, cfg, wait_s, learn_s, version + 1)
+            history.append(metrics)
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                checkpoints.save(step + 1, model, tokenizer, optimizer, shuffle, rows, history)
+            totals["wait_s"] += wait_s
+            totals["learn_s"] += learn_s
+            totals["generate_s"] += sum(g.generate_s for g in groups + stale)
+            totals["actor_idle_s"] += sum(g.idle_s for g in groups + stale)
+            if on_step:
+                on_step(step, metrics)
+    finally:
+        if pool:
+            pool.close()
+        torch.set_num_threads(threads)
 
     save_student(model, tokenizer, out_dir)
-    summary = {"steps": cfg.steps, "policy_version": version, "episodes": len(rows),
-               "wall_time_s": time.perf_counter() - started}
+    checkpoints.remove()
+    return rows, _summary(cfg, rows, history, totals, started, steps_started, first)
+
+
+def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig, wait_s: float,
+             learn_s: float, version: int) -> dict:
+    rollouts = [r for g in groups for r in g.rollouts]
+    rewards = np.array([r.reward for r in rollouts] or [0.0], dtype=np.float64)
+    staleness = [version - 1 - g.behaviour_version for g in groups]
+    generate_s = sum(g.generate_s for g in groups + stale)
+    idle_s = sum(g.idle_s for g in groups + stale)
+    step_s = wait_s + learn_s
+    metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+               "pass_rate": float(np.mean([r.passed for r in rollouts])) if rollouts else 0.0,
+               "groups": len(groups), "dropped_groups": len(stale),
+               "skipped_groups": sum(len({r.reward for r in g.rollouts}) == 1 for g in groups),
+               "split_rollouts": sum(r.split for r in rollouts),
+               **{f"staleness_{k}": staleness.count(k) for k in range(cfg.max_staleness + 1)},
+               "loss": stats.get("loss", float("nan")), "clip_fraction": stats.get("clip_fraction", 0.0),
+               "ratio_mean": stats.get("ratio_mean", 1.0), "ratio_max": stats.get("ratio_max", 1.0),
+               "is_weight_mean": stats.get("is_weight_mean", 1.0), "is_weight_max": stats.get("is_weight_max", 1.0),
+               "kl_behaviour": stats.get("kl_behaviour", 0.0),
+               "grad_norm": stats.get("grad_norm", 0.0), "updates": stats.get("updates", 0),
+               "learner_idle_fraction": wait_s / max(step_s, 1e-9),
+               "actor_idle_fraction": idle_s / max(idle_s + generate_s, 1e-9),
+               # assistant tokens generated (and learned from) per second of the learner's step
+               "tokens_per_s": sum(r.tokens for r in rollouts) / max(step_s, 1e-9),
+               "wait_s": wait_s, "learn_s": learn_s, "step_time_s": step_s, "policy_version": version}
+    if "kl" in stats:
+        metrics["kl"] = stats["kl"]
+    return metrics
+
+
+def _summary(cfg: RLConfig, rows: list[dict], history: list[dict], totals: dict, started: float,
+             steps_started: float, first: int) -> dict:
+    now = time.perf_counter()
+    summary = {"steps": cfg.steps, "policy_version": cfg.steps, "episodes": len(rows),
+               "resumed_from_step": first, "wall_time_s": now - started, "steps_wall_s": now - steps_started,
+               "generate_s": totals["generate_s"], "learn_s": totals["learn_s"], "wait_s": totals["wait_s"],
+               "learner_idle_fraction": totals["wait_s"] / max(totals["wait_s"] + totals["learn_s"], 1e-9),
+               "actor_idle_fraction": totals["actor_idle_s"] / max(totals["actor_idle_s"] + totals["generate_s"],
+                                                                   1e-9)}
     if history:
-        summary |= {"reward_mean_first": history[0]["reward_mean"],
-                    "reward_mean_last": history[-1]["reward_mean"],
+        summary |= {"reward_mean_first": history[0]["reward_mean"], "reward_mean_last": history[-1]["reward_mean"],
                     "pass_rate_mean": float(np.mean([m["pass_rate"] for m in history])),
-                    "skipped_groups": int(sum(m["skipped_groups"] for m in history))}
-    return rows, summary
+                    "skipped_groups": int(sum(m["skipped_groups"] for m in history)),
+                    "dropped_groups": int(sum(m["dropped_groups"] for m in history)),
+                    "split_rollouts": int(sum(m["split_rollouts"] for m in history))}
+    return summary

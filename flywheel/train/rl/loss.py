@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-LossType = Literal["grpo", "dr_grpo"]
+LossType = Literal["grpo", "dr_grpo", "dapo"]
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -49,7 +49,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     logprobs carry the gradient; old_logprobs are the policy the ratio is taken against; behaviour_logprobs,
     when given, are the policy that actually sampled (older, in async RL), corrected by truncated IS.
     "grpo" averages each sequence over its own tokens, then over sequences; "dr_grpo" sums every token and
-    divides by B * max_length (a constant, so long answers are not down-weighted per token).
+    divides by B * max_length (a constant, so long answers are not down-weighted per token); "dapo" is the mean
+    over every masked token of the batch (each token counts once, whatever its sequence's length).
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
@@ -80,8 +81,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     elif loss_type == "dr_grpo":
         length = max_length if max_length is not None else mask.shape[1]
         loss = (per_token * mask).sum() / (mask.shape[0] * length)
+    elif loss_type == "dapo":
+        loss = _masked_mean(per_token, mask)
     else:
-        raise ValueError(f"unknown loss_type '{loss_type}' (known: grpo, dr_grpo)")
+        raise ValueError(f"unknown loss_type '{loss_type}' (known: grpo, dr_grpo, dapo)")
 
     with torch.no_grad():
         # A token is clipped when clipping removes its gradient: the ratio left the trust region in the
