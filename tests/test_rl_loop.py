@@ -1,4 +1,5 @@
-"""A real, short synchronous RL run: the tiny model, the calculator harness, real optimiser steps."""
+"""A real, short synchronous RL run in the learner's process (actors: 0): the tiny model, the calculator
+harness, real optimiser steps; and how episodes become training segments."""
 
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies.oracle import OraclePolicy
 from flywheel.policies.toolcalls import render_tool_call
 from flywheel.train.checkpoint import load_student
-from flywheel.train.rl.batch import collate, encode_groups, make_groups
+from flywheel.train.rl.batch import advantages_of, collate, encode_episode, make_groups, samples_of
 from flywheel.train.rl.learner import learn_on_batch
 from flywheel.train.rl.loop import train_rl
 from flywheel.train.tiny import build_tiny_student, environment_corpus
 
 ROW_KEYS = {"step", "policy_version", "behaviour_version", "task_id", "group", "sample", "reward",
-            "advantage", "tokens", "passed"}
+            "advantage", "tokens", "passed", "dropped", "split"}
 METRIC_KEYS = {"reward_mean", "reward_std", "pass_rate", "skipped_groups", "loss", "clip_fraction",
-               "ratio_mean", "tokens_per_s", "step_time_s", "policy_version"}
+               "ratio_mean", "tokens_per_s", "step_time_s", "policy_version", "dropped_groups", "staleness_0",
+               "is_weight_mean", "is_weight_max", "kl_behaviour", "learner_idle_fraction", "actor_idle_fraction",
+               "split_rollouts"}
 
 
 class GradedCalculator(CalculatorEnv):
@@ -49,7 +52,8 @@ def tasks():
     return list(itertools.islice(CalculatorEnv().generate_tasks(1), 12))
 
 
-CFG = RLConfig(steps=2, tasks_per_step=3, group_size=3, minibatch_size=4, epochs_per_batch=2, lr=1e-3, seed=3)
+CFG = RLConfig(steps=2, tasks_per_step=3, group_size=3, minibatch_size=4, epochs_per_batch=2, lr=1e-3, seed=3,
+               actors=0, max_staleness=0, checkpoint_every=0)
 
 
 def weights(model) -> dict[str, torch.Tensor]:
@@ -76,9 +80,12 @@ def test_rl_run_learns_logs_and_saves(student, tasks, tmp_path):
     assert [step for step, _ in seen] == [0, 1]
     assert [m["policy_version"] for _, m in seen] == [1, 2]
     assert all(METRIC_KEYS <= set(m) for _, m in seen)
-    for _, m in seen:  # the sequences of groups with a signal, in minibatches, once per epoch
-        sequences = (m["groups"] - m["skipped_groups"]) * CFG.group_size
-        assert m["updates"] == CFG.epochs_per_batch * -(-sequences // CFG.minibatch_size)
+    for step, m in seen:  # the segments of groups with a signal, in minibatches, once per epoch
+        signal = {r["group"] for r in rows if r["step"] == step and r["advantage"] is not None}
+        assert len(signal) == m["groups"] - m["skipped_groups"]
+        if signal:
+            assert m["updates"] >= CFG.epochs_per_batch * -(-len(signal) * CFG.group_size // CFG.minibatch_size)
+        assert m["staleness_0"] == CFG.tasks_per_step and m["dropped_groups"] == 0
     assert sum(m["skipped_groups"] for _, m in seen) < CFG.steps * CFG.tasks_per_step
     assert summary["policy_version"] == 2 and summary["episodes"] == len(rows)
 
@@ -110,15 +117,35 @@ def test_groups_without_signal_are_skipped_and_change_nothing(student, tasks, tm
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def oracle_episodes(env, n_tasks: int, samples: int):
+    """Oracle episodes with the token ids and logprobs an HF policy would return (the template's own tokens)."""
+    episodes = run_episodes(env, OraclePolicy(env), list(itertools.islice(env.generate_tasks(5), n_tasks)),
+                            samples=samples)
+    for i, episode in enumerate(episodes):
+        episode.reward = float(i % 2)
+    return episodes
+
+
 def test_learner_starts_from_ratio_one_on_assistant_tokens_only(student):
     env = CalculatorEnv()
     model, tokenizer = load_student(student)
-    tasks = list(itertools.islice(env.generate_tasks(5), 4))
-    episodes = run_episodes(env, OraclePolicy(env), tasks, samples=2)
-    for i, episode in enumerate(episodes):
-        episode.reward = float(i % 2)
-    groups = make_groups(episodes, 2, "grpo")
-    samples, tokens = encode_groups(groups, tokenizer, env.tools(), 256)  # room: this tokenizer is small
+    episodes = oracle_episodes(env, 4, 2)
+    for episode in episodes:  # what the policy "generated": exactly the tokens the template gives each turn
+        from flywheel.train.checkpoint import encode_conversation
+
+        ids, mask = encode_conversation(tokenizer, episode.messages, env.tools(), 256)
+        runs = [[]]
+        for token, m, nxt in zip(ids, mask, [*mask[1:], 0], strict=True):
+            if m:
+                runs[-1].append(token)
+                if not nxt:
+                    runs.append([])
+        for completion, run in zip(episode.completions, runs, strict=False):
+            completion.token_ids, completion.logprobs = run, [-0.5] * len(run)
+    groups = make_groups(episodes, 2, tokenizer, env.tools(), 256, step=0, version=0)  # room: small tokenizer
+    assert not any(r.split for g in groups for r in g.rollouts)
+    samples = [s for g in groups for s in samples_of(g, advantages_of(g, "grpo"))]
+    assert len(samples) == len(episodes)
     batch = collate(samples, tokenizer.pad_token_id)
     # Loss on exactly the assistant turns and their end tokens: never the prompt or a tool result.
     for sample, episode in zip(samples, episodes, strict=True):
@@ -126,7 +153,9 @@ def test_learner_starts_from_ratio_one_on_assistant_tokens_only(student):
         expected = "".join((m.get("content") or "") + "".join(map(render_tool_call, m.get("tool_calls", [])))
                            + "<|im_end|>" for m in episode.messages if m["role"] == "assistant")
         assert masked == expected
-    assert tokens[(0, 0)] == sum(samples[0].loss_mask)
+        assert [b for b, m in zip(sample.behaviour_logprobs, sample.loss_mask, strict=True) if m] == \
+            [-0.5] * sum(sample.loss_mask)
+    assert groups[0].rollouts[0].tokens == sum(samples[0].loss_mask)
     # A negligible learning rate: every ratio must be 1, so old and new log-probs line up token for token.
     cfg = RLConfig(lr=1e-12, minibatch_size=3, epochs_per_batch=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -135,10 +164,34 @@ def test_learner_starts_from_ratio_one_on_assistant_tokens_only(student):
     assert stats["clip_fraction"] == 0.0 and stats["updates"] == 2 * 3
 
 
-def test_groups_must_hold_one_task():
+def test_retokenised_differently_becomes_per_turn_segments(student):
+    """Generated ids the template would not produce (a different tokenisation of the same text): each turn is
+    trained as its own segment, the prompt as the policy saw it plus the generated ids, logprobs aligned."""
     env = CalculatorEnv()
+    _, tokenizer = load_student(student)
+    episode = oracle_episodes(env, 1, 1)[0]
+    for k, completion in enumerate(episode.completions):
+        text = completion.text or render_tool_call(completion.message["tool_calls"][0])
+        # one token per character: never what the BPE template encoding gives
+        ids = [tokenizer.convert_tokens_to_ids(c) for c in text if tokenizer.convert_tokens_to_ids(c) is not None]
+        completion.token_ids = [*ids, tokenizer.eos_token_id]
+        completion.logprobs = [-(k + 1.0)] * len(completion.token_ids)
+    rollout = encode_episode(episode, tokenizer, env.tools(), 512)
+    assert rollout.split and len(rollout.segments) == len(episode.completions)
+    for k, (segment, completion) in enumerate(zip(rollout.segments, episode.completions, strict=True)):
+        n = len(completion.token_ids)
+        assert segment.input_ids[-n:] == completion.token_ids
+        assert segment.loss_mask == [0] * (len(segment.input_ids) - n) + [1] * n
+        assert segment.behaviour_logprobs[-n:] == [-(k + 1.0)] * n
+        assert not any(segment.behaviour_logprobs[:-n])
+    assert rollout.tokens == sum(len(c.token_ids) for c in episode.completions)
+
+
+def test_groups_must_hold_one_task(student):
+    env = CalculatorEnv()
+    _, tokenizer = load_student(student)
     episodes = run_episodes(env, OraclePolicy(env), list(itertools.islice(env.generate_tasks(0), 3)))
     with pytest.raises(ValueError, match="do not split"):
-        make_groups(episodes, 2, "grpo")
+        make_groups(episodes, 2, tokenizer, env.tools(), 128, 0, 0)
     with pytest.raises(ValueError, match="mixes tasks"):
-        make_groups(episodes[:2], 2, "grpo")
+        make_groups(episodes[:2], 2, tokenizer, env.tools(), 128, 0, 0)

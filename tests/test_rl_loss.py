@@ -46,6 +46,17 @@ def test_dr_grpo_loss_by_hand():
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 0.0, -0.9 / 8], [0.0, 0.0, 0.0]]))
 
 
+def test_dapo_loss_by_hand():
+    # one mean over the batch's 3 assistant tokens, whatever sequence they are in
+    logprobs = new_logprobs()
+    loss, _ = policy_loss(logprobs, OLD, ADVANTAGES, MASK, clip_eps=0.2, loss_type="dapo")
+    assert loss.item() == pytest.approx((-1.2 - 0.9 + 1.6) / 3)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 0.0, -0.9 / 3], [0.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="unknown loss_type"):
+        policy_loss(logprobs, OLD, ADVANTAGES, MASK, clip_eps=0.2, loss_type="ppo")
+
+
 def test_equal_policies_give_minus_advantage_weighted_mean():
     logprobs = OLD.clone().requires_grad_(True)
     loss, stats = policy_loss(logprobs, OLD, ADVANTAGES, MASK, clip_eps=0.2)
