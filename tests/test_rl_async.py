@@ -108,7 +108,8 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_killed_run_resumes_from_its_last_checkpoint(tiny_student, tasks, tmp_path):
-    cfg = CFG.model_copy(update={"steps": 8, "tasks_per_step": 6, "actors": 1, "max_staleness": 0, "checkpoint_every": 1})
+    cfg = CFG.model_copy(update={"steps": 8, "tasks_per_step": 6, "actors": 1, "max_staleness": 0,
+                                 "checkpoint_every": 1})
     script = tmp_path / "run_rl.py"
     result = tmp_path / "result.json"
     script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), cfg=cfg.model_dump_json(),
