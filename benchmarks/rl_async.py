@@ -1,6 +1,6 @@
 """Asynchronous against synchronous RL: the same learner steps on the same work, side by side in one run.
 
-    .venv/bin/python benchmarks/rl_async.py [--steps 12] [--student models/demo/sft]
+    .venv/bin/python benchmarks/rl_async.py [--steps 16] [--student models/demo/sft]
 
 Sync is one actor process at max_staleness 0 (it waits for each new version while the learner steps); async is
 one actor at max_staleness 1 (it generates step s+1 while the learner trains on step s). Each side gets one torch
@@ -53,9 +53,9 @@ def timed_run(student: Path, env, tasks, cfg: RLConfig, out: Path, max_turns: in
 def main() -> None:
     """Build (or take) a student, run sync then async, print both and the ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--student", type=Path, default=None, help="an SFT checkpoint (default: a random tiny one)")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs_per_batch: balances training against generation")
+    parser.add_argument("--epochs", type=int, default=1, help="epochs_per_batch: balances training against generation")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="rl-async-"))

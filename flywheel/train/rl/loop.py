@@ -157,7 +157,8 @@ def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig
                "actor_idle_fraction": idle_s / max(idle_s + generate_s, 1e-9),
                # assistant tokens generated (and learned from) per second of the learner's step
                "tokens_per_s": sum(r.tokens for r in rollouts) / max(step_s, 1e-9),
-               "wait_s": wait_s, "learn_s": learn_s, "generate_s": generate_s, "step_time_s": step_s, "policy_version": version}
+               "wait_s": wait_s, "learn_s": learn_s, "generate_s": generate_s, "step_time_s": step_s,
+               "policy_version": version}
     if "kl" in stats:
         metrics["kl"] = stats["kl"]
     return metrics
