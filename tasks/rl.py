@@ -1,4 +1,4 @@
-"""Stage rl: improve the SFT student with group-relative policy gradients on the environment's train tasks."""
+"""Stage rl: improve the SFT student with asynchronous GRPO-family RL (actor processes + learner) on the train tasks."""
 
 from __future__ import annotations
 

@@ -1,1 +1,5 @@
-"""Reinforcement learning for the student: group advantages, the clipped policy loss and the training loop."""
+"""Reinforcement learning for the student with asynchronous rollouts.
+
+source (work per step) -> actor (processes) -> buffer (bounded, staleness-checked) -> learner (loss, step) ->
+weights (published to the actors); loop.train_rl runs them; checkpoints make a killed run resumable.
+"""
