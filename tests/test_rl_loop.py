@@ -216,3 +216,15 @@ def test_rubric_as_a_trl_reward_function():
 def test_in_process_generation_must_be_synchronous():
     with pytest.raises(ValueError, match="max_staleness: 0"):
         RLConfig(actors=0, max_staleness=1)
+
+
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo"])
+def test_kl_to_the_starting_checkpoint_and_other_normalisations(student, tasks, tmp_path, loss_type):
+    cfg = CFG.model_copy(update={"steps": 2, "kl_beta": 0.1, "loss_type": loss_type})
+    seen = []
+    train_rl(student, GradedCalculator(), tasks, cfg, tmp_path / "rl", max_turns=1,
+             on_step=lambda step, m: seen.append(m))
+    trained = [m for m in seen if m["updates"]]
+    # the first minibatch starts at the reference itself (KL 0); the updates move the policy away from it
+    assert trained and all(0.0 < m["kl"] < 1.0 for m in trained)
+    assert all("kl" not in m for m in seen if m["updates"] == 0)
