@@ -74,6 +74,21 @@ def test_async_reward_rises_within_the_staleness_bound(tiny_student, tasks, tmp_
     assert summary["reward_mean_last"] == rewards[-1]
 
 
+class BrokenRubric(CalculatorEnv):
+    """A rubric that fails inside the actor process."""
+
+    def score(self, task, messages):
+        raise ArithmeticError("rubric exploded")
+
+
+def test_an_actor_failure_stops_the_run_with_its_traceback(tiny_student, tasks, tmp_path):
+    cfg = CFG.model_copy(update={"actors": 1, "max_staleness": 1})
+    with pytest.raises(RuntimeError, match="RL actor 0 failed") as failure:
+        train_rl(tiny_student, BrokenRubric(), tasks, cfg, tmp_path / "rl", 1)
+    assert "ArithmeticError: rubric exploded" in str(failure.value)
+    assert not (tmp_path / "rl").exists()
+
+
 def _group(step: int, index: int, version: int) -> Group:
     return Group(step, index, version, [Rollout("t", 0, 0.0, False, [])])
 

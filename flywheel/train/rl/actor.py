@@ -110,7 +110,10 @@ def actor_main(actor: int, model_dir: str, env: Environment, cfg: RLConfig, max_
                             return
             idle += time.perf_counter() - waited
     except Exception:  # the learner re-raises it: an actor must never fail silently
-        buffer.put(ActorError(actor, traceback.format_exc()))
+        try:
+            buffer.put(ActorError(actor, traceback.format_exc()), timeout=60)
+        except queue_errors.Full:  # the learner stopped taking: it sees the exit code instead
+            raise SystemExit(1) from None
 
 
 class ActorPool:
