@@ -32,8 +32,8 @@ from flywheel.settings import state_dir
 SCORED = ("base", "sft", "rl")  # the models a retrain run itself produces; a champion row is another model
 MEASURED = "evaluate"  # its eval table holds measured latency: compared by scores, not bytes
 # never copied into a rerun's workspace: generated, or the state the rerun shares with the project
-_NOT_COPIED = {".git", ".venv", ".flywheel", "data", "models", "mlruns", "mlartifacts", "__pycache__",
-               ".pytest_cache", ".ruff_cache"}
+_NOT_COPIED_TOP = {".git", ".venv", ".flywheel", "data", "models", "mlruns", "mlartifacts"}
+_NOT_COPIED = {"__pycache__", ".pytest_cache", ".ruff_cache"}
 
 
 class RerunError(RuntimeError):
@@ -152,8 +152,8 @@ def _project_files(root: Path) -> list[str]:
         names = [n for n in listed.stdout.split("\0") if n]
     else:  # not a git checkout: everything but what is generated
         names = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()]
-    return sorted(n for n in names if (root / n).is_file() and not _NOT_COPIED & set(Path(n).parts)
-                  and n not in ("pipelines.yaml", "dvc.lock"))
+    return sorted(n for n in names if (root / n).is_file() and Path(n).parts[0] not in _NOT_COPIED_TOP
+                  and not _NOT_COPIED & set(Path(n).parts) and n not in ("pipelines.yaml", "dvc.lock"))
 
 
 def _share_teacher_cache(root: Path, ws: Path, recorded: Recorded) -> None:

@@ -1,0 +1,134 @@
+"""`flywheel rerun <run-id>`: a recorded run again from its config and DVC data; clear errors when it cannot be."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from conftest import SMALL_PIPELINE
+
+
+def _new_traces(root) -> None:
+    # traces the recorded run never saw: a rerun that collected again would get other tables
+    source = (root / "examples/traces/support-agent-2026-11-01.jsonl").read_text().splitlines()[:5]
+    records = [json.loads(line) for line in source]
+    for n, record in enumerate(records):
+        record["id"] = f"tr_new_{n}"
+        record["messages"][0]["content"] += " Thanks!"
+    (root / "examples/traces/support-agent-2026-12-01.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records))
+
+
+def _files(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for folder in ("data", "models") for p in (root / folder).rglob("*")
+            if p.is_file()} | {name: (root / name).read_bytes() for name in ("pipelines.yaml", "dvc.lock")}
+
+
+@pytest.mark.slow
+def test_a_rerun_reproduces_the_recorded_datasets_byte_for_byte(project, prefect_server):
+    from mlflow import MlflowClient
+    from typer.testing import CliRunner
+
+    from flows.retrain import retrain
+    from flywheel import registry
+    from flywheel.cli import app
+    from flywheel.status import pipeline_status
+
+    first = retrain(pipeline="small", root=str(project))
+    recorded = first["run_id"]
+    lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+    # today's project is not the recorded one: new traces at the source, another config
+    _new_traces(project)
+    config = yaml.safe_load((project / "pipelines.yaml").read_text())
+    config["pipelines"]["small"]["sft"]["lr"] = 2.0e-3
+    (project / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    before = _files(project)
+
+    done = CliRunner().invoke(app, ["rerun", recorded, "--root", str(project)])
+    assert done.exit_code == 0, done.output
+
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name("small").experiment_id
+    rerun = client.search_runs([experiment], f"tags.`flywheel.rerun_of` = '{recorded}'")[0]
+    assert rerun.data.tags["stage.collect"] == "restored" and rerun.data.tags["flywheel.rerun.datasets"] == "identical"
+    report = json.loads(registry.recorded_text(rerun.info.run_id, "flywheel/rerun.json"))
+    outputs = {o["path"]: o for o in report["outputs"]}
+    assert outputs["data/small/collect"]["verdict"] == "restored"
+    for path in ("data/small/collect", "data/small/synthesize", "data/small/rl", "models/small/sft"):
+        assert outputs[path]["reproduced"] == outputs[path]["recorded"] == lock_md5(lock, path), path
+    assert {s["model"] for s in report["scores"]} == {"base", "sft", "rl"}
+    assert all(s["within_noise"] and s["low"] <= 0 <= s["high"] for s in report["scores"])
+    assert "identical" in done.output and "within noise" in done.output
+
+    assert _files(project) == before, "the rerun ran in its own workspace: the project is as it was"
+    workspace = project / ".flywheel/reruns" / recorded
+    assert yaml.safe_load((workspace / "pipelines.yaml").read_text())["pipelines"]["small"]["sft"]["lr"] == 3.0e-3
+    assert registry.get_alias("small", "champion").version == first["champion"], "a rerun does not promote"
+
+    # status from the same store: the rerun first, the champion from the recorded run, its data versions
+    state = pipeline_status("small")
+    assert [r.run_id for r in state.runs] == [rerun.info.run_id, recorded]
+    assert state.runs[0].rerun_of == recorded and state.runs[1].stages["sft"] == "ran"
+    champion = next(a for a in state.aliases if a.alias == "champion")
+    assert champion.pipeline_run == recorded and champion.score == round(first["scores"]["score_rl"], 4)
+    versions = state.data_versions().set_index("path")
+    assert versions.loc["data/small/collect", f"champion v{champion.version}"] == lock_md5(lock, "data/small/collect")
+    shown = CliRunner().invoke(app, ["status", "small", "--root", str(project)])
+    assert shown.exit_code == 0, shown.output
+    assert recorded in shown.output and "not deployed" in shown.output
+
+
+def lock_md5(lock: dict, path: str) -> str:
+    return next(o["md5"] for entry in lock.values() for o in entry.get("outs", []) if o["path"] == path)
+
+
+def _retrain_record(project, lock: dict | None, config: bool = True) -> str:
+    """A finished retrain run as the flow records it, without running the stages."""
+    from flywheel import registry
+
+    run = registry.start_run(project, "small", "retrain")
+    if config:
+        registry.record_config(run, "small", yaml.safe_load(SMALL_PIPELINE)["pipelines"]["small"])
+    if lock is not None:
+        (project / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": lock}))
+        registry.record_lock(run, project, "small")
+        (project / "dvc.lock").unlink()
+    run.end(ok=True)
+    return run.run_id
+
+
+def test_unknown_and_other_runs_are_refused_clearly(project):
+    from flows.rerun import rerun
+    from flywheel import registry
+    from flywheel.reproduce import RerunError
+
+    with pytest.raises(RerunError, match="no MLflow run 'f00d'"):
+        rerun("f00d", root=str(project))
+    stage = registry.start_run(project, "small", "sft")
+    with pytest.raises(RerunError, match="is a 'sft' run, not a retrain run"):
+        rerun(stage.run_id, root=str(project))
+    older = _retrain_record(project, lock=None, config=False)
+    with pytest.raises(RerunError, match="recorded by an older version: no config snapshot"):
+        rerun(older, root=str(project))
+    failed = registry.start_run(project, "small", "retrain")
+    failed.end(ok=False)
+    with pytest.raises(RerunError, match="did not finish"):
+        rerun(failed.run_id, root=str(project))
+    with pytest.raises(RerunError, match="first stages in order"):
+        rerun(older, root=str(project), restore=("synthesize",))
+
+
+def test_data_in_neither_cache_nor_remote_names_the_md5_and_says_push(project):
+    from flows.rerun import rerun
+    from flywheel.reproduce import RerunError
+
+    missing = "0123456789abcdef0123456789abcdef.dir"
+    lock = {"collect@small": {"cmd": "flywheel stage collect --pipeline small",
+                              "outs": [{"path": "data/small/collect", "hash": "md5", "md5": missing,
+                                        "size": 10, "nfiles": 3}]}}
+    run_id = _retrain_record(project, lock)
+    with pytest.raises(RerunError) as err:
+        rerun(run_id, root=str(project))
+    assert missing in str(err.value) and "data/small/collect" in str(err.value) and "dvc push" in str(err.value)
+    assert not (project / "data").exists(), "nothing was written into the project"
