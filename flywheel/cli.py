@@ -138,10 +138,10 @@ def rerun(run_id: str = typer.Argument(..., help="MLflow run id of a retrain run
     from rich.console import Console
     from rich.table import Table
 
+    root = _checked_root(root)  # before Prefect is imported: it reads its settings once
     from flows.rerun import rerun as rerun_flow
     from flywheel.reproduce import RerunError
 
-    root = _checked_root(root)
     try:
         report = rerun_flow(run_id, root=str(root), promote=promote, push=push, restore=tuple(restore))
     except RerunError as err:
@@ -150,7 +150,7 @@ def rerun(run_id: str = typer.Argument(..., help="MLflow run id of a retrain run
     outputs = Table(title=f"rerun {report.rerun_id[:8]} of {run_id[:8]}: outputs (DVC md5)")
     for column in ("stage", "path", "recorded", "reproduced", "", "note"):
         outputs.add_column(column, overflow="fold")
-    colour = {"identical": "green", "restored": "cyan", "differs": "red"}
+    colour = {"identical": "green", "restored": "cyan", "measured": "yellow", "differs": "red"}
     for o in report.outputs:
         outputs.add_row(o.stage, o.path, o.recorded[:12], o.reproduced[:12],
                         f"[{colour[o.verdict]}]{o.verdict}[/]", o.note)
@@ -187,11 +187,11 @@ def status(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.
     from rich.console import Console
     from rich.table import Table
 
+    root = _checked_root(root)
     from flows.status import next_run
     from flywheel.config import ConfigError, load_pipeline
     from flywheel.status import pipeline_status
 
-    root = _checked_root(root)
     try:
         cfg = load_pipeline(pipeline, root / "pipelines.yaml")
     except ConfigError as err:
@@ -209,7 +209,8 @@ def status(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.
     for column in ("run", "started", "state", "gate", "version", "stages", "rerun of"):
         runs.add_column(column, overflow="fold")
     for r in state.runs:
-        stages = " ".join(f"{s}:{how}" for s, how in r.stages.items())
+        kinds = {how: [s for s, h in r.stages.items() if h == how] for how in dict.fromkeys(r.stages.values())}
+        stages = "; ".join(f"{how}: {' '.join(names)}" for how, names in kinds.items())
         runs.add_row(r.run_id, r.started.strftime("%Y-%m-%d %H:%M UTC"), r.status, r.gate, r.version, stages,
                      r.rerun_of[:8])
     console.print(runs if state.runs else f"{pipeline}: no retrain runs yet (`flywheel run {pipeline}`)")

@@ -48,9 +48,11 @@ def git_commit(root: Path) -> str:
 
 
 def git_dirty(root: Path) -> bool | None:
-    """Whether the checkout has uncommitted changes (untracked files count); None outside git."""
+    """Whether tracked code has uncommitted changes; None outside git. pipelines.yaml and dvc.lock do not count:
+    a retrain run records both itself."""
+    command = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!pipelines.yaml", ":!dvc.lock"]
     try:
-        out = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     return bool(out.stdout.strip()) if out.returncode == 0 else None

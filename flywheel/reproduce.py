@@ -31,6 +31,7 @@ from flywheel.settings import state_dir
 
 SCORED = ("base", "sft", "rl")  # the models a retrain run itself produces; a champion row is another model
 MEASURED = "evaluate"  # its eval table holds measured latency: compared by scores, not bytes
+MEASURED_FILES = {"eval.parquet", "gate.json"}  # the files of that stage that may differ (latency, its limit)
 # never copied into a rerun's workspace: generated, or the state the rerun shares with the project
 _NOT_COPIED_TOP = {".git", ".venv", ".flywheel", "data", "models", "mlruns", "mlartifacts"}
 _NOT_COPIED = {"__pycache__", ".pytest_cache", ".ruff_cache"}
@@ -210,7 +211,7 @@ class OutputCheck:
     path: str
     recorded: str
     reproduced: str
-    verdict: str  # identical, restored, differs
+    verdict: str  # identical, restored, measured (only measured latency differs), differs
     note: str = ""
 
 
@@ -247,7 +248,7 @@ class RerunReport:
     @property
     def datasets_identical(self) -> bool:
         """Every dataset (data/, the measured eval table aside) has the recorded md5."""
-        return all(o.verdict != "differs" for o in self.outputs if o.path.startswith("data/") and o.stage != MEASURED)
+        return all(o.verdict != "differs" for o in self.outputs if o.path.startswith("data/"))
 
     @property
     def scores_within_noise(self) -> bool:
@@ -280,9 +281,11 @@ def compare_outputs(recorded: Recorded, ws: Path, order: list[str], restored: li
             if found == md5:
                 verdict, note = ("restored", "checked out from DVC") if stage in restored else ("identical", "")
             else:
-                verdict, note = "differs", _differing_files(cache, md5, found)
-                if stage == MEASURED:
-                    note = (note + "; " if note else "") + "eval holds measured latency: compare the scores"
+                files = _differing_files(cache, md5, found)
+                verdict, note = "differs", f"differ: {', '.join(files)}" if files else ""
+                if stage == MEASURED and set(files or MEASURED_FILES) <= MEASURED_FILES:
+                    verdict = "measured"
+                    note = (note + "; " if note else "") + "the eval table holds measured latency: see the scores"
             checks.append(OutputCheck(stage, path, md5, found, verdict, note))
     return checks
 
@@ -307,12 +310,12 @@ def _manifest(cache: Path, md5: str) -> dict[str, str] | None:
     return {entry["relpath"]: entry["md5"] for entry in json.loads(path.read_text())}
 
 
-def _differing_files(cache: Path, recorded: str, reproduced: str) -> str:
+def _differing_files(cache: Path, recorded: str, reproduced: str) -> list[str]:
+    """The files of two versions of a folder whose md5 differ; empty when either listing is not in the cache."""
     before, after = _manifest(cache, recorded), _manifest(cache, reproduced)
     if before is None or after is None:
-        return ""
-    names = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
-    return "differ: " + ", ".join(names)
+        return []
+    return sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
 
 
 def recorded_eval(recorded: Recorded, ws: Path) -> pd.DataFrame | None:
