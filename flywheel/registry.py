@@ -50,7 +50,9 @@ def git_commit(root: Path) -> str:
 def git_dirty(root: Path) -> bool | None:
     """Whether tracked code has uncommitted changes; None outside git. pipelines.yaml and dvc.lock do not count:
     a retrain run records both itself."""
-    command = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!pipelines.yaml", ":!dvc.lock"]
+    # the whole repository, even from a rerun's workspace inside its ignored .flywheel/
+    command = ["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top,exclude,glob)**/pipelines.yaml",
+               ":(top,exclude,glob)**/dvc.lock"]
     try:
         out = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
