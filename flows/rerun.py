@@ -14,6 +14,7 @@ from pathlib import Path
 from flows.retrain import retrain
 from flywheel import registry, reproduce
 from flywheel.config import load_pipeline
+from flywheel.data import dvc
 from flywheel.data.catalog import Catalog
 from tasks.spec import ORDER
 
@@ -44,10 +45,11 @@ def rerun(run_id: str, root: str = ".", promote: bool = False, push: bool = True
                       tags={"flywheel.rerun_of": run_id}, promote=promote)
 
     gate = load_pipeline(recorded.pipeline, ws / "pipelines.yaml").gate
+    cache = dvc.cache_dir(ws)
     report = reproduce.RerunReport(
         run_id=run_id, rerun_id=summary["run_id"], pipeline=recorded.pipeline, workspace=ws,
-        outputs=reproduce.compare_outputs(recorded, ws, ORDER, restore),
-        scores=reproduce.compare_scores(recorded, reproduce.recorded_eval(recorded, ws),
+        outputs=reproduce.compare_outputs(recorded, ws, cache, ORDER, restore),
+        scores=reproduce.compare_scores(recorded, reproduce.recorded_eval(recorded, cache),
                                         Catalog(ws, recorded.pipeline).read("eval"), gate.confidence,
                                         gate.bootstrap_samples, gate.seed),
         code_changes=reproduce.code_changes(recorded, ws), warnings=warnings, gate_recorded=recorded.gate,

@@ -266,10 +266,10 @@ class RerunReport:
         return json.dumps(payload, indent=2)
 
 
-def compare_outputs(recorded: Recorded, ws: Path, order: list[str], restored: list[str]) -> list[OutputCheck]:
+def compare_outputs(recorded: Recorded, ws: Path, cache: Path, order: list[str],
+                    restored: list[str]) -> list[OutputCheck]:
     """Each recorded output of each stage against the workspace's dvc.lock after the rerun, file by file."""
     lock = yaml.safe_load((ws / "dvc.lock").read_text()).get("stages", {})
-    cache = dvc.cache_dir(ws)
     checks = []
     for key in _ordered(recorded.lock, order):
         stage = key.split("@")[0]
@@ -318,9 +318,8 @@ def _differing_files(cache: Path, recorded: str, reproduced: str) -> list[str]:
     return sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
 
 
-def recorded_eval(recorded: Recorded, ws: Path) -> pd.DataFrame | None:
+def recorded_eval(recorded: Recorded, cache: Path) -> pd.DataFrame | None:
     """The recorded run's eval table, from the DVC cache by its md5; None when it is not there."""
-    cache = dvc.cache_dir(ws)
     for md5 in recorded.outs(MEASURED).values():
         files = _manifest(cache, md5) or {}
         if "eval.parquet" in files:

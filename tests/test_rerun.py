@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -137,3 +138,52 @@ def test_data_in_neither_cache_nor_remote_names_the_md5_and_says_push(project):
         rerun(run_id, root=str(project))
     assert missing in str(err.value) and "data/small/collect" in str(err.value) and "dvc push" in str(err.value)
     assert not (project / "data").exists(), "nothing was written into the project"
+
+
+def _folder(cache, md5: str, files: dict[str, str]) -> dict:
+    """A folder version in a DVC cache: its listing under md5 (what `dvc commit` writes), and its lock entry."""
+    listing = cache / "files" / "md5" / md5[:2] / md5[2:]
+    listing.parent.mkdir(parents=True, exist_ok=True)
+    listing.write_text(json.dumps([{"md5": m, "relpath": name} for name, m in sorted(files.items())]))
+    return {"hash": "md5", "md5": md5}
+
+
+def test_verdicts_name_what_differs_and_scores_are_paired(tmp_path):
+    import pandas as pd
+
+    from flywheel.reproduce import Recorded, RerunReport, compare_outputs, compare_scores
+
+    cache, ws = tmp_path / "cache", tmp_path / "ws"
+    ws.mkdir()
+
+    def lock(synthetic: str, eval_table: str, heldout: str) -> dict:
+        # a folder's md5 stands for its files' md5s, as in DVC
+        synthesize = {"synthetic.parquet": synthetic}
+        evaluate = {"eval.parquet": eval_table, "heldout.parquet": heldout, "gate.json": "g"}
+        return {f"{stage}@p": {"outs": [{"path": f"data/p/{stage}", **_folder(
+                    cache, hashlib.md5(json.dumps(files).encode()).hexdigest() + ".dir", files)}]}
+                for stage, files in (("synthesize", synthesize), ("evaluate", evaluate))}
+
+    recorded = Recorded("r", "p", "", lock("s1", "e1", "h1"), "c", "False", "passed", {"score_rl": 0.5})
+    (ws / "dvc.lock").write_text(yaml.safe_dump({"stages": lock("s2", "e2", "h1")}))
+    checks = {c.path: c for c in compare_outputs(recorded, ws, cache, ["synthesize", "evaluate"], [])}
+    assert checks["data/p/synthesize"].verdict == "differs" and "synthetic.parquet" in checks["data/p/synthesize"].note
+    assert checks["data/p/evaluate"].verdict == "measured", "only the eval table (latency) differs"
+    report = RerunReport("r", "n", "p", ws, list(checks.values()), [])
+    assert not report.datasets_identical and not report.reproduced
+
+    (ws / "dvc.lock").write_text(yaml.safe_dump({"stages": lock("s1", "e2", "h2")}))
+    checks = {c.path: c for c in compare_outputs(recorded, ws, cache, ["synthesize", "evaluate"], [])}
+    assert checks["data/p/synthesize"].verdict == "identical"
+    assert checks["data/p/evaluate"].verdict == "differs" and "heldout.parquet" in checks["data/p/evaluate"].note
+
+    # scores: the same rewards are within noise; a model that now fails a third of the tasks is not
+    tasks = [f"t{i}" for i in range(60)]
+    before = pd.DataFrame({"model": "rl", "task_id": tasks, "sample": 0, "reward": 1.0})
+    same = compare_scores(recorded, before, before.copy(), 0.95, 500, 0)
+    worse = compare_scores(recorded, before, before.assign(reward=[0.0 if i % 3 == 0 else 1.0 for i in range(60)]),
+                           0.95, 500, 0)
+    assert same[0].within_noise and same[0].low == same[0].high == 0.0
+    assert not worse[0].within_noise and worse[0].high < 0
+    unpaired = compare_scores(recorded, None, before.assign(reward=0.5), 0.95, 500, 0)
+    assert unpaired[0].within_noise and "not in DVC" in unpaired[0].how
