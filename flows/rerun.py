@@ -14,7 +14,6 @@ from pathlib import Path
 from flows.retrain import retrain
 from flywheel import registry, reproduce
 from flywheel.config import load_pipeline
-from flywheel.data import dvc
 from flywheel.data.catalog import Catalog
 from tasks.spec import ORDER
 
@@ -35,24 +34,23 @@ def rerun(run_id: str, root: str = ".", promote: bool = False, push: bool = True
     for warning in warnings:
         print(f"warning: {warning}", flush=True)
     ws = reproduce.prepare_workspace(root_path, recorded, ORDER)
-    print(f"rerun of {run_id} ({recorded.pipeline}) in {ws}", flush=True)
+    print(f"rerun of {run_id} ({recorded.pipeline}) in {ws.path}", flush=True)
     for stage in restore:
         reproduce.restore(ws, recorded, stage)
     if not reproduce.fetch_recorded(ws, recorded, reproduce.MEASURED):
         warnings.append("the recorded eval table is not in DVC: scores are compared with the recorded numbers")
 
-    summary = retrain(pipeline=recorded.pipeline, root=str(ws), push=push, restored=restore,
+    summary = retrain(pipeline=recorded.pipeline, root=str(ws.path), push=push, restored=restore,
                       tags={"flywheel.rerun_of": run_id}, promote=promote)
 
-    gate = load_pipeline(recorded.pipeline, ws / "pipelines.yaml").gate
-    cache = dvc.cache_dir(ws)
+    gate = load_pipeline(recorded.pipeline, ws.path / "pipelines.yaml").gate
     report = reproduce.RerunReport(
-        run_id=run_id, rerun_id=summary["run_id"], pipeline=recorded.pipeline, workspace=ws,
-        outputs=reproduce.compare_outputs(recorded, ws, cache, ORDER, restore),
-        scores=reproduce.compare_scores(recorded, reproduce.recorded_eval(recorded, cache),
-                                        Catalog(ws, recorded.pipeline).read("eval"), gate.confidence,
+        run_id=run_id, rerun_id=summary["run_id"], pipeline=recorded.pipeline, workspace=ws.path,
+        outputs=reproduce.compare_outputs(recorded, ws.path, ws.cache, ORDER, restore),
+        scores=reproduce.compare_scores(recorded, reproduce.recorded_eval(recorded, ws.cache),
+                                        Catalog(ws.path, recorded.pipeline).read("eval"), gate.confidence,
                                         gate.bootstrap_samples, gate.seed),
-        code_changes=reproduce.code_changes(recorded, ws), warnings=warnings, gate_recorded=recorded.gate,
+        code_changes=reproduce.code_changes(recorded, ws.path), warnings=warnings, gate_recorded=recorded.gate,
         gate_reproduced="passed" if summary["gate_passed"] else "failed", version=summary["version"],
         champion=summary["champion"])
     run = registry.Run(report.rerun_id)

@@ -109,11 +109,20 @@ def warnings(recorded: Recorded, root: Path) -> list[str]:
     return found
 
 
+@dataclass(frozen=True)
+class Workspace:
+    """Where a rerun runs, and the DVC cache and remotes it shares with the project."""
+
+    path: Path
+    cache: Path
+    remotes: dict[str, str]
+
+
 def workspace(root: Path, run_id: str) -> Path:
     return state_dir(root) / "reruns" / run_id
 
 
-def prepare_workspace(root: Path, recorded: Recorded, order: list[str]) -> Path:
+def prepare_workspace(root: Path, recorded: Recorded, order: list[str]) -> Workspace:
     """A fresh copy of today's code with the recorded config and dvc.lock, sharing the project's DVC cache."""
     root = root.resolve()
     if not dvc.is_repo(root):
@@ -137,13 +146,14 @@ def prepare_workspace(root: Path, recorded: Recorded, order: list[str]) -> Path:
     if (root / ".dvc" / "config.local").exists():
         shutil.copy2(root / ".dvc" / "config.local", local)
     # no git inside the workspace (it lies in the project's ignored .flywheel/); one cache for both checkouts
+    cache, remotes = dvc.cache_dir(root), dvc.remotes(root)
     dvc.set_local(ws, "core.no_scm", "true")
-    dvc.set_local(ws, "cache.dir", str(dvc.cache_dir(root)))
-    for name, url in dvc.remotes(root).items():
+    dvc.set_local(ws, "cache.dir", str(cache))
+    for name, url in remotes.items():
         if "://" not in url:  # a local folder: DVC resolves relative paths against the config, so pin it
             dvc.set_local(ws, "remote", name, "url", url)
     _share_teacher_cache(root, ws, recorded)
-    return ws
+    return Workspace(ws, cache, remotes)
 
 
 def _project_files(root: Path) -> list[str]:
@@ -169,33 +179,33 @@ def _ordered(lock: dict, order: list[str]) -> list[str]:
     return sorted(lock, key=lambda k: order.index(k.split("@")[0]) if k.split("@")[0] in order else len(order))
 
 
-def restore(ws: Path, recorded: Recorded, stage: str) -> None:
+def restore(ws: Workspace, recorded: Recorded, stage: str) -> None:
     """Check out a stage's recorded outputs from the cache, or pull them from the remote; verify their md5."""
     outs = recorded.outs(stage)
     if not outs:
         raise RerunError(f"run {recorded.run_id} recorded no outputs of stage '{stage}' in its dvc.lock")
     try:
-        dvc.checkout(ws, stage, recorded.pipeline)
+        dvc.checkout(ws.path, stage, recorded.pipeline)
     except dvc.DvcError:
         try:
-            dvc.pull(ws, stage, recorded.pipeline)
+            dvc.pull(ws.path, stage, recorded.pipeline)
         except dvc.DvcError as err:
             missing = ", ".join(f"{path} (md5 {md5})" for path, md5 in outs.items())
             raise RerunError(
                 f"the data of stage '{stage}' recorded on run {recorded.run_id} is in neither the DVC cache "
-                f"({dvc.cache_dir(ws)}) nor the remote ({', '.join(dvc.remotes(ws).values()) or 'none'}): "
+                f"({ws.cache}) nor the remote ({', '.join(ws.remotes.values()) or 'none'}): "
                 f"{missing}. Run `dvc push` in the checkout where the run ran (commit {recorded.commit[:12]}), "
                 f"then rerun.\nDVC said: {err}") from None
     for path, md5 in outs.items():
-        found = dvc_md5(ws / path)
+        found = dvc_md5(ws.path / path)
         if found != md5:
             raise RerunError(f"{path}: checked out md5 {found}, but the run recorded {md5}")
 
 
-def fetch_recorded(ws: Path, recorded: Recorded, stage: str) -> bool:
+def fetch_recorded(ws: Workspace, recorded: Recorded, stage: str) -> bool:
     """Bring a stage's recorded outputs into the cache for comparison; False when they are nowhere."""
     try:
-        dvc.fetch(ws, stage, recorded.pipeline)
+        dvc.fetch(ws.path, stage, recorded.pipeline)
         return True
     except dvc.DvcError:
         return False
