@@ -104,7 +104,7 @@ def _retrain_record(project, lock: dict | None, config: bool = True) -> str:
     return run.run_id
 
 
-def test_unknown_and_other_runs_are_refused_clearly(project):
+def test_runs_that_cannot_be_rerun_are_refused_clearly(project):
     from flows.rerun import rerun
     from flywheel import registry
     from flywheel.reproduce import RerunError
@@ -124,18 +124,13 @@ def test_unknown_and_other_runs_are_refused_clearly(project):
     with pytest.raises(RerunError, match="first stages in order"):
         rerun(older, root=str(project), restore=("synthesize",))
 
-
-def test_data_in_neither_cache_nor_remote_names_the_md5_and_says_push(project):
-    from flows.rerun import rerun
-    from flywheel.reproduce import RerunError
-
+    # data in neither the DVC cache nor the remote: the error names the path and md5 and says to push
     missing = "0123456789abcdef0123456789abcdef.dir"
     lock = {"collect@small": {"cmd": "flywheel stage collect --pipeline small",
                               "outs": [{"path": "data/small/collect", "hash": "md5", "md5": missing,
                                         "size": 10, "nfiles": 3}]}}
-    run_id = _retrain_record(project, lock)
     with pytest.raises(RerunError) as err:
-        rerun(run_id, root=str(project))
+        rerun(_retrain_record(project, lock), root=str(project))
     assert missing in str(err.value) and "data/small/collect" in str(err.value) and "dvc push" in str(err.value)
     assert not (project / "data").exists(), "nothing was written into the project"
 
