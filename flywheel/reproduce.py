@@ -119,6 +119,7 @@ class Workspace:
 
 
 def workspace(root: Path, run_id: str) -> Path:
+    """The folder a rerun of `run_id` runs in: generated state under the project's .flywheel/."""
     return state_dir(root) / "reruns" / run_id
 
 
@@ -262,13 +263,16 @@ class RerunReport:
 
     @property
     def scores_within_noise(self) -> bool:
+        """Every model's paired difference to its recorded score has an interval holding 0."""
         return all(s.within_noise for s in self.scores)
 
     @property
     def reproduced(self) -> bool:
+        """The issue's bar: identical datasets and scores within noise."""
         return self.datasets_identical and self.scores_within_noise
 
     def to_json(self) -> str:
+        """The report as the rerun's MLflow artifact `flywheel/rerun.json` keeps it."""
         payload = {k: v for k, v in self.__dict__.items() if k not in ("outputs", "scores", "workspace")}
         payload |= {"workspace": str(self.workspace), "outputs": [o.__dict__ for o in self.outputs],
                     "scores": [s.__dict__ for s in self.scores], "datasets_identical": self.datasets_identical,
