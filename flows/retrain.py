@@ -23,26 +23,40 @@ STAGE_TASKS = {"collect": collect, "synthesize": synthesize, "sft": sft, "rl": r
 
 
 @flow(name="retrain", log_prints=False)
-def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push: bool = True) -> dict:
-    """Run every stage of the pipeline; unchanged stages come from Prefect's cache and are not run again."""
+def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push: bool = True,
+            restored: list[str] | None = None, tags: dict[str, str] | None = None, promote: bool = True) -> dict:
+    """Run every stage of the pipeline; unchanged stages come from Prefect's cache and are not run again.
+
+    `restored` stages are not run: their outputs were checked out from DVC (a rerun). `tags` go on the
+    pipeline run and the registered version; `promote=False` registers without offering champion to the gate.
+    """
     root_path = Path(root).resolve()
-    load_pipeline(pipeline, root_path / "pipelines.yaml")  # a bad config fails here, before any work
+    cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")  # a bad config fails here, before any work
     use_dvc = dvc.is_repo(root_path)
     flow_run_id = str(runtime.flow_run.id or "")
-    parent = registry.start_run(root_path, pipeline, "retrain", tags={"prefect.flow_run_id": flow_run_id,
-                                                                       "flywheel.refresh": refresh})
+    restored = list(restored or [])
+    parent = registry.start_run(root_path, pipeline, "retrain", tags={
+        "prefect.flow_run_id": flow_run_id, "flywheel.refresh": refresh,
+        "git.dirty": registry.git_dirty(root_path), **(tags or {})})
+    registry.record_config(parent, pipeline, cfg.model_dump(mode="json"))
     results: dict[str, dict] = {}
     ran: list[str] = []
     try:
         for number, name in enumerate(ORDER, start=1):
             started = time.monotonic()
+            if name in restored:
+                results[name] = {"stage": name, "run_id": "", "outputs": output_hashes(name, pipeline, root_path)}
+                parent.tags({f"stage.{name}": "restored"})
+                print(f"[{number}/{len(ORDER)}] {name} restored from DVC, not run", flush=True)
+                continue
             outputs_missing = not all(p.exists() for p in STAGES[name].out_paths(root_path, pipeline))
             stage_task = STAGE_TASKS[name].with_options(refresh_cache=True) if refresh or outputs_missing \
                 else STAGE_TASKS[name]
             kwargs = {"pipeline": pipeline, "root": str(root_path), "parent_run_id": parent.run_id}
             if name == "register":
+                kwargs["promote"] = promote
                 kwargs["lineage"] = {"prefect.flow_run_id": flow_run_id, "mlflow.pipeline_run_id": parent.run_id,
-                                     **_data_lineage(root_path, pipeline)}
+                                     **_data_lineage(root_path, pipeline), **(tags or {})}
                 parent.tags({k: v for k, v in kwargs["lineage"].items() if k.startswith("flywheel.dvc.")})
             print(f"[{number}/{len(ORDER)}] {name} ...", flush=True)
             state = stage_task(**kwargs, return_state=True)
@@ -64,10 +78,12 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
             print(f"[{number}/{len(ORDER)}] {name} {'cached' if cached else 'done'} in {took:.1f}s", flush=True)
         if use_dvc and push and ran:
             dvc.push(root_path)
+        if use_dvc:
+            registry.record_lock(parent, root_path, pipeline)
     except BaseException:
         parent.end(ok=False)
         raise
-    summary = _summary(pipeline, results, ran)
+    summary = _summary(pipeline, results, ran, restored) | {"run_id": parent.run_id}
     parent.metrics({k: v for k, v in summary["scores"].items()})
     parent.tags({"flywheel.gate": "passed" if summary["gate_passed"] else "failed",
                  "flywheel.registered_version": summary["version"]})
@@ -83,12 +99,12 @@ def _data_lineage(root: Path, pipeline: str) -> dict:
     return {f"flywheel.dvc.{path}": md5 for path, md5 in sorted(hashes.items()) if md5}
 
 
-def _summary(pipeline: str, results: dict, ran: list[str]) -> dict:
+def _summary(pipeline: str, results: dict, ran: list[str], restored: list[str]) -> dict:
     gate = results["evaluate"]["gate"]
     registration = results["register"]["registration"]
     current = registry.get_alias(pipeline, "champion")
     return {"pipeline": pipeline, "scores": gate["scores"], "gate_passed": gate["passed"],
             "gate_reasons": gate["reasons"], "version": registration["version"],
             "aliases": sorted(registry.client().get_model_version(pipeline, registration["version"]).aliases),
-            "champion": current.version if current else None, "ran": ran,
-            "cached": [n for n in ORDER if n not in ran]}
+            "champion": current.version if current else None, "ran": ran, "restored": restored,
+            "cached": [n for n in ORDER if n not in ran and n not in restored]}

@@ -1,4 +1,4 @@
-"""The `flywheel` command: run a pipeline, run one stage without orchestration, check the config."""
+"""The `flywheel` command: run a pipeline, run one stage without orchestration, compare, rerun, status."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 ROOT = typer.Option(Path("."), "--root", help="Project root holding pipelines.yaml and dvc.yaml.")
 RUN_IDS = typer.Argument(None, help="MLflow run ids of retrain runs (default: the last N).")
 HTML = typer.Option(None, "--html", help="Also write an HTML report with plots to this file.")
+RESTORE = typer.Option(["collect"], "--restore", help="A stage checked out from DVC instead of run (repeat: "
+                       "collect, synthesize): their inputs lie outside the project and may have changed.")
 
 
 def _fail(message: str) -> None:
@@ -124,6 +126,103 @@ def compare(pipeline: str = typer.Argument(..., help="Pipeline name (the MLflow 
     Console(width=max(160, Console().width)).print(table)
     if html is not None:
         typer.echo(f"wrote {comparison.write_html(rows, html, pipeline)}")
+
+
+@app.command()
+def rerun(run_id: str = typer.Argument(..., help="MLflow run id of a retrain run (`flywheel compare` lists them)."),
+          promote: bool = typer.Option(False, "--promote", help="Let the gate move champion, as a run would."),
+          restore: list[str] = RESTORE,
+          push: bool = typer.Option(True, "--push/--no-push", help="Push reproduced data to the DVC remote."),
+          root: Path = ROOT) -> None:
+    """Run a recorded retrain run again from its config and data versions; compare every output and score."""
+    from rich.console import Console
+    from rich.table import Table
+
+    root = _checked_root(root)  # before Prefect is imported: it reads its settings once
+    from flows.rerun import rerun as rerun_flow
+    from flywheel.reproduce import RerunError
+
+    try:
+        report = rerun_flow(run_id, root=str(root), promote=promote, push=push, restore=tuple(restore))
+    except RerunError as err:
+        _fail(str(err))
+    console = Console(width=max(140, Console().width))
+    outputs = Table(title=f"rerun {report.rerun_id[:8]} of {run_id[:8]}: outputs (DVC md5)")
+    for column in ("stage", "path", "recorded", "reproduced", "", "note"):
+        outputs.add_column(column, overflow="fold")
+    colour = {"identical": "green", "restored": "cyan", "measured": "yellow", "differs": "red"}
+    for o in report.outputs:
+        outputs.add_row(o.stage, o.path, o.recorded[:12], o.reproduced[:12],
+                        f"[{colour[o.verdict]}]{o.verdict}[/]", o.note)
+    console.print(outputs)
+    scores = Table(title="held-out success (greedy): recorded and reproduced")
+    for column in ("model", "recorded", "reproduced", "difference [interval]", "", "how"):
+        scores.add_column(column)
+    for s in report.scores:
+        interval = f"[{s.low:+.3f}, {s.high:+.3f}]" if s.low is not None else ""
+        recorded = "" if s.recorded is None else f"{s.recorded:.3f}"
+        diff = "" if s.recorded is None else f"{s.reproduced - s.recorded:+.3f} {interval}"
+        scores.add_row(s.model, recorded, f"{s.reproduced:.3f}", diff,
+                       "[green]within noise[/]" if s.within_noise else "[red]outside noise[/]", s.how)
+    console.print(scores)
+    console.print(f"gate: recorded {report.gate_recorded or '?'}, reproduced {report.gate_reproduced}; "
+                  f"registered version {report.version}; champion is version {report.champion}"
+                  + ("" if promote else " (not moved: --promote offers it to the gate)"))
+    if report.code_changes:
+        console.print(f"code that differs from the recorded run's: {', '.join(report.code_changes)}")
+    for warning in report.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+    verdict = ("datasets identical" if report.datasets_identical else "[red]datasets differ[/]") + ", " + \
+        ("scores within noise" if report.scores_within_noise else "[red]scores outside noise[/]")
+    console.print(f"{verdict}; workspace {report.workspace}")
+    if not report.reproduced:
+        raise typer.Exit(1)
+
+
+@app.command()
+def status(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yaml."),
+           last: int = typer.Option(5, "--last", min=1, help="How many of the newest retrain runs."),
+           root: Path = ROOT) -> None:
+    """The champion and challenger, the last runs with their gate, the data versions, the next scheduled run."""
+    from rich.console import Console
+    from rich.table import Table
+
+    root = _checked_root(root)
+    from flows.status import next_run
+    from flywheel.config import ConfigError, load_pipeline
+    from flywheel.status import pipeline_status
+
+    try:
+        cfg = load_pipeline(pipeline, root / "pipelines.yaml")
+    except ConfigError as err:
+        _fail(str(err))
+    state = pipeline_status(pipeline, last=last)
+    console = Console(width=max(140, Console().width))
+    models = Table(title=f"{pipeline}: registered model")
+    for column in ("alias", "version", "held-out success", "registered", "from pipeline run", "gate", "promotion"):
+        models.add_column(column)
+    for a in state.aliases:
+        models.add_row(a.alias, a.version, "" if a.score is None else f"{a.score:.3f}",
+                       a.registered.strftime("%Y-%m-%d %H:%M UTC"), a.pipeline_run, a.gate, a.promotion)
+    console.print(models if state.aliases else f"{pipeline}: no registered version yet")
+    runs = Table(title=f"{pipeline}: the last {len(state.runs)} retrain runs")
+    for column in ("run", "started", "state", "gate", "version", "stages", "rerun of"):
+        runs.add_column(column, overflow="fold")
+    for r in state.runs:
+        kinds = {how: [s for s, h in r.stages.items() if h == how] for how in dict.fromkeys(r.stages.values())}
+        stages = "; ".join(f"{how}: {' '.join(names)}" for how, names in kinds.items())
+        runs.add_row(r.run_id, r.started.strftime("%Y-%m-%d %H:%M UTC"), r.status, r.gate, r.version, stages,
+                     r.rerun_of[:8])
+    console.print(runs if state.runs else f"{pipeline}: no retrain runs yet (`flywheel run {pipeline}`)")
+    data = state.data_versions()
+    if not data.empty:
+        versions = Table(title="data versions (DVC md5)")
+        for column in data.columns:
+            versions.add_column(column, overflow="fold")
+        for line in data.itertuples(index=False):
+            versions.add_row(*[str(v)[:12] if i else str(v) for i, v in enumerate(line)])
+        console.print(versions)
+    console.print(f"next scheduled run: {next_run(pipeline, cfg.schedule).line}")
 
 
 @app.command()

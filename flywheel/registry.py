@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 from mlflow.exceptions import MlflowException
@@ -46,6 +47,19 @@ def git_commit(root: Path) -> str:
         return "unknown"
 
 
+def git_dirty(root: Path) -> bool | None:
+    """Whether tracked code has uncommitted changes; None outside git. pipelines.yaml and dvc.lock do not count:
+    a retrain run records both itself."""
+    # the whole repository, even from a rerun's workspace inside its ignored .flywheel/
+    command = ["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top,exclude,glob)**/pipelines.yaml",
+               ":(top,exclude,glob)**/dvc.lock"]
+    try:
+        out = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
 @dataclass
 class Run:
     """One MLflow run used through an explicit client, so concurrent stages never share global state."""
@@ -77,6 +91,9 @@ class Run:
         else:
             client().log_artifact(self.run_id, str(path), folder)
 
+    def text(self, text: str, artifact_file: str) -> None:
+        client().log_text(self.run_id, text, artifact_file)
+
     def artifact_uri(self, folder: str) -> str:
         return client().get_run(self.run_id).info.artifact_uri.rstrip("/") + "/" + folder
 
@@ -106,6 +123,38 @@ def stage_run(root: Path, pipeline: str, stage: str, parent: str | None, params:
         run.end(ok=False)
         raise
     run.end(ok=True)
+
+
+# ---- what a retrain run records so that `flywheel rerun <run-id>` can run it again -----------------------------
+
+RECORD_CONFIG = "flywheel/pipelines.yaml"  # the pipeline's validated config, as a one-pipeline pipelines.yaml
+RECORD_LOCK = "flywheel/dvc.lock"  # the pipeline's stages of dvc.lock when the run ended: every data version
+
+
+def record_config(run: Run, pipeline: str, config: dict) -> None:
+    """Keep the config the run used (defaults filled in), so a rerun does not depend on today's pipelines.yaml."""
+    run.text(yaml.safe_dump({"pipelines": {pipeline: config}}, sort_keys=False), RECORD_CONFIG)
+
+
+def record_lock(run: Run, root: Path, pipeline: str) -> None:
+    """Keep the pipeline's dvc.lock entries (md5 of every dataset, model, param and code dep) with the run."""
+    lock = root / "dvc.lock"
+    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}) if lock.exists() else {}
+    mine = {name: entry for name, entry in stages.items() if name.endswith(f"@{pipeline}")}
+    run.text(yaml.safe_dump({"schema": "2.0", "stages": mine}, sort_keys=False), RECORD_LOCK)
+
+
+def recorded_text(run_id: str, artifact_file: str) -> str | None:
+    """A text artifact of the run, or None when the run has none by that name."""
+    import mlflow.artifacts
+
+    with tempfile.TemporaryDirectory(prefix="flywheel-record-") as tmp:
+        try:
+            local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=artifact_file, dst_path=tmp,
+                                                        tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"))
+        except (MlflowException, OSError):
+            return None
+        return Path(local).read_text()
 
 
 def _flatten(values: dict, prefix: str = "") -> dict:

@@ -15,11 +15,21 @@ from flywheel.registry import stage_run
 from tasks.caching import by_content
 from tasks.spec import output_hashes
 
+_by_content = by_content("register")
 
-@task(name="register", cache_key_fn=by_content("register"), persist_result=True, retries=2, retry_delay_seconds=2)
+
+def cache_key(context, parameters: dict) -> str:
+    """By content; a registration that was not offered for promotion is not one that was."""
+    return _by_content(context, parameters) + ("" if parameters.get("promote", True) else "-no-promote")
+
+
+@task(name="register", cache_key_fn=cache_key, persist_result=True, retries=2, retry_delay_seconds=2)
 def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
-             lineage: dict | None = None) -> dict:
-    """Register the RL checkpoint (idempotent on its content hash), alias it, tag its lineage."""
+             lineage: dict | None = None, promote: bool = True) -> dict:
+    """Register the RL checkpoint (idempotent on its content hash), alias it, tag its lineage.
+
+    `promote=False` (a rerun) leaves champion where it is: the gate decision is recorded, not acted on.
+    """
     root_path = Path(root).resolve()
     cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
     catalog = Catalog(root_path, pipeline)
@@ -44,13 +54,17 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
                                     eval_table=catalog.table_path("eval"))
         # compare-and-set: the gate was taken against the champion of evaluate time; if another run moved
         # champion since, the stored eval tables are gated again against the new one
-        outcome = promotion.promote(pipeline, version.version, cfg.gate,
-                                    decision=GateDecision(gate["passed"], list(gate["reasons"]), gate["numbers"]),
-                                    judged_against=gate.get("champion_version"))
+        if promote:
+            outcome = promotion.promote(pipeline, version.version, cfg.gate,
+                                        decision=GateDecision(gate["passed"], list(gate["reasons"]),
+                                                              gate["numbers"]),
+                                        judged_against=gate.get("champion_version"))
+            promoted, reasons = outcome.promoted, outcome.reasons
+        else:
+            promoted, reasons = False, ["not offered for promotion (a rerun: `flywheel rerun --promote` offers it)"]
         version = registry.get_version(pipeline, version.version)
         result = {"version": version.version, "aliases": list(version.aliases), "model_hash": model_hash,
-                  "gate_passed": gate["passed"], "promoted": outcome.promoted,
-                  "promotion_reasons": outcome.reasons}
+                  "gate_passed": gate["passed"], "promoted": promoted, "promotion_reasons": reasons}
         catalog.write_json("register", "registration.json", result)
         run.tags({"flywheel.registered_version": version.version})
     return {"stage": "register", "run_id": run.run_id, "metrics": {}, "registration": result,

@@ -52,6 +52,44 @@ def push(root: Path) -> None:
     _dvc(root, "push")
 
 
+def checkout(root: Path, stage: str, pipeline: str) -> None:
+    """Put `stage@pipeline`'s outputs as dvc.lock records them into the workspace, from the cache."""
+    _dvc(root, "checkout", "--force", f"{stage}@{pipeline}")
+
+
+def pull(root: Path, stage: str, pipeline: str) -> None:
+    """Fetch `stage@pipeline`'s outputs as dvc.lock records them from the remote, then check them out."""
+    _dvc(root, "pull", "--force", f"{stage}@{pipeline}")
+
+
+def fetch(root: Path, stage: str, pipeline: str) -> None:
+    """Bring `stage@pipeline`'s recorded outputs into the cache (from the remote), without checking them out."""
+    _dvc(root, "fetch", f"{stage}@{pipeline}")
+
+
+def cache_dir(root: Path) -> Path:
+    """The repo's DVC cache folder, absolute."""
+    return Path(_dvc(root, "cache", "dir").strip())
+
+
+def remotes(root: Path) -> dict[str, str]:
+    """name -> URL of every remote the repo knows; local paths come back absolute."""
+    found = {}
+    for line in _dvc(root, "remote", "list").splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            found[parts[0]] = parts[1]
+    return found
+
+
+def set_local(root: Path, *setting: str) -> None:
+    """`dvc config --local KEY VALUE` or `dvc remote modify --local NAME KEY VALUE`: this checkout only."""
+    if setting[0] == "remote":
+        _dvc(root, "remote", "modify", "--local", *setting[1:])
+    else:
+        _dvc(root, "config", "--local", *setting)
+
+
 def lock_hashes(root: Path, stage: str, pipeline: str) -> dict[str, str]:
     """path -> md5 of a stage's deps and outs as dvc.lock records them (lineage tags); empty if not locked."""
     lock = root / "dvc.lock"
