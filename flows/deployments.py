@@ -15,6 +15,7 @@ have a schedule or trigger are deleted.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -222,10 +223,12 @@ def local_server(home: Path, port: int | None = None, timeout_s: float = 180):
             time.sleep(0.5)
         yield url
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        # the server runs uvicorn in a child process: stop the whole process group it leads
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
         log.close()
