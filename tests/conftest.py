@@ -205,6 +205,7 @@ def mlflow_server(tmp_path, s3_bucket) -> tuple[str, str]:
             [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
              "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow-server.db'}",
              "--artifacts-destination", f"s3://{bucket}/mlflow", "--workers", "1"],
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # its job runners cost CPU
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", server, "mlflow server", log)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, SMALL_PIPELINE
 
 POOL = "reconcile-pool"
@@ -113,3 +112,31 @@ def test_redeploy_reconciles_schedules_and_deployments(tmp_path, prefect_server)
     reconcile(wanted, pool=None)
     assert _state(None) == {"retrain/c": [], "watch-traces/c": ["every 300s"]}
     assert _state(POOL) == {"retrain/a": ["cron 30 5 * * * Europe/Berlin"]}
+
+
+def test_k8s_job_template_requests_gpus_for_model_stages_only():
+    """The Kubernetes pool's job, rendered with Prefect's templating for each stage's job variables."""
+    import json
+
+    from prefect.utilities.templating import apply_values
+
+    from tasks.spec import ORDER
+
+    template = json.loads((REPO / "infra/k8s/base-job-template.json").read_text())
+    stages = json.loads((REPO / "infra/k8s/stages.json").read_text())
+    defaults = {k: v["default"] for k, v in template["variables"]["properties"].items() if "default" in v}
+    assert set(ORDER) <= set(stages)
+
+    def pod(stage: str) -> dict:
+        job = apply_values(template["job_configuration"], {**defaults, **stages[stage], "name": f"small-{stage}"})
+        return job["job_manifest"]["spec"]["template"]["spec"]
+
+    for stage in ("sft", "rl", "evaluate", "retrain"):
+        spec = pod(stage)
+        assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1, stage
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    for stage in ("collect", "synthesize", "register", "watch-traces"):
+        spec = pod(stage)
+        assert "nvidia.com/gpu" not in spec["containers"][0]["resources"]["limits"], stage
+        assert spec["nodeSelector"] == {} and spec["tolerations"] == []

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import SMALL_PIPELINE
 
 POOL = "cpu-pool"
@@ -116,3 +115,30 @@ def test_deployed_retrain_on_servers_with_s3(project, prefect_api, mlflow_server
                                                     dst_path=str(tmp_path / "champion"))
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     assert model.num_parameters() > 0
+
+
+def test_compose_file_has_the_servers_the_readme_names():
+    """docker-compose.yml cannot be started here (no Docker): its structure is checked instead."""
+    import yaml
+    from conftest import REPO
+
+    compose = yaml.safe_load((REPO / "infra/docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"prefect-server", "prefect-db", "mlflow", "mlflow-db", "minio", "minio-init", "worker"} <= set(services)
+    assert "postgresql+asyncpg://" in services["prefect-server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
+    mlflow = " ".join(services["mlflow"]["command"].split())
+    assert "--backend-store-uri postgresql://" in mlflow and "--artifacts-destination s3://flywheel/mlflow" in mlflow
+    assert services["mlflow"]["build"]["dockerfile"] == "infra/Dockerfile"
+    assert (REPO / services["mlflow"]["build"]["dockerfile"]).exists()
+    assert {"4200:4200", "5000:5000", "9000:9000"} <= {p for s in services.values() for p in s.get("ports", [])}
+    readme = (REPO / "infra/README.md").read_text()
+    for worker in ("worker", "worker-gpu"):
+        env = services[worker]["environment"]
+        for name in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
+                     "AWS_SECRET_ACCESS_KEY", "AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION",
+                     "FLYWHEEL_RESULTS_URL"):
+            assert name in env, (worker, name)
+            assert name in readme, name
+        assert "prefect worker start" in services[worker]["command"]
+    assert services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert services["minio-init"]["depends_on"]["minio"]["condition"] == "service_healthy"
