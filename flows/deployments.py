@@ -117,15 +117,15 @@ def deploy(root: Path, pool: str, wanted: list[Planned], job_variables: dict | N
         deployment = source.to_deployment(name=planned.pipeline, parameters=planned.parameters, tags=[TAG],
                                           job_variables=job_variables or {}, schedules=planned.schedules())
         deployment.apply(work_pool_name=pool)
-    return reconcile(wanted, pool)
+    return reconcile(wanted, pool, root)
 
 
 class DeployError(RuntimeError):
     """A deployment cannot be made; the message says what to do."""
 
 
-def reconcile(wanted: list[Planned], pool: str | None) -> dict:
-    """Make the server hold exactly the file's flywheel deployments (of this pool, or served ones) and schedules."""
+def reconcile(wanted: list[Planned], pool: str | None, root: Path) -> dict:
+    """Make the server hold exactly the file's deployments and schedules (this project's, in this pool or served)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterTags, FlowFilter, FlowFilterName
 
@@ -139,8 +139,8 @@ def reconcile(wanted: list[Planned], pool: str | None) -> dict:
             deployment_filter=DeploymentFilter(tags=DeploymentFilterTags(all_=[TAG])))
         for deployment in found:
             full_name = f"{flows[deployment.flow_id]}/{deployment.name}"
-            if deployment.work_pool_name != pool:
-                continue  # another pool's (or served) deployments are another deploy's business
+            if deployment.work_pool_name != pool or (deployment.parameters or {}).get("root") != str(root):
+                continue  # another pool's, served ones, or another checkout's: another deploy's business
             planned = by_name.get(full_name)
             if planned is None:
                 client.delete_deployment(deployment.id)

@@ -62,9 +62,14 @@ def active_retrain(pipeline: str) -> str | None:
         FlowRunFilterStateType,
     )
     from prefect.client.schemas.objects import StateType
+    from prefect.exceptions import ObjectNotFound
 
     with get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name(retrain_deployment(pipeline))
+        try:
+            deployment = client.read_deployment_by_name(retrain_deployment(pipeline))
+        except ObjectNotFound:
+            raise RuntimeError(f"{retrain_deployment(pipeline)} is not deployed on {client.api_url}: run `flywheel "
+                               "deploy --pool NAME` (or `flywheel serve`) for the sensor to start it") from None
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id]),
             state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[

@@ -192,7 +192,8 @@ def serve(root: Path = ROOT, results: str | None = RESULTS,
         served = deployments.runner_deployments(root, wanted)
         for deployment in served:
             deployment.apply()
-        _print_reconciled(deployments.reconcile(wanted, pool=None), "served from this process (Ctrl-C stops)")
+        report = deployments.reconcile(wanted, pool=None, root=root)
+        _print_reconciled(report, "served from this process (Ctrl-C stops)")
         prefect_serve(*served, print_starting_message=False)
 
 

@@ -109,7 +109,7 @@ def test_redeploy_reconciles_schedules_and_deployments(tmp_path, prefect_server)
     wanted = plan(load_pipelines(root / "pipelines.yaml"), root)
     for served in runner_deployments(root, wanted):
         served.apply()
-    reconcile(wanted, pool=None)
+    reconcile(wanted, pool=None, root=root)
     assert _state(None) == {"retrain/c": [], "watch-traces/c": ["every 300s"]}
     assert _state(POOL) == {"retrain/a": ["cron 30 5 * * * Europe/Berlin"]}
 

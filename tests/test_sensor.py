@@ -57,7 +57,7 @@ def test_sensor_starts_one_retrain_until_it_is_done(project, prefect_server):
     wanted = plan(load_pipelines(project / "pipelines.yaml"), project)
     for deployment in runner_deployments(project, wanted):
         deployment.apply()  # served deployments: runs wait as Scheduled, which is all the sensor looks at
-    reconcile(wanted, pool=None)
+    reconcile(wanted, pool=None, root=project)
 
     first = watch_traces(pipeline="small", root=str(project))
     assert first["new"] >= 100 and first["started"]
