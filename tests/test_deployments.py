@@ -140,3 +140,66 @@ def test_k8s_job_template_requests_gpus_for_model_stages_only():
         spec = pod(stage)
         assert "nvidia.com/gpu" not in spec["containers"][0]["resources"]["limits"], stage
         assert spec["nodeSelector"] == {} and spec["tolerations"] == []
+
+
+def test_serve_and_deploy_say_what_is_missing(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    _write(tmp_path, {"a": {}})
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    served = CliRunner().invoke(app, ["serve", "--root", str(tmp_path)])
+    assert served.exit_code == 2 and "no pipeline has a `schedule` or a `trigger`" in served.output
+    deployed = CliRunner().invoke(app, ["deploy", "--pool", "p", "--root", str(tmp_path)])
+    assert deployed.exit_code == 2 and "needs a Prefect server: set PREFECT_API_URL" in deployed.output
+
+
+@pytest.mark.slow
+def test_flywheel_serve_runs_the_schedules_on_its_own_server(project, tmp_path):
+    """`flywheel serve` with no PREFECT_API_URL starts a local server and runs the sensor on its schedule."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.deployments import free_port
+
+    (project / "pipelines.yaml").write_text(SMALL_PIPELINE + "    trigger: {min_new_traces: 100000, every_s: 10}\n")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env |= {"PREFECT_HOME": str(tmp_path / "serve-home"), "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"}
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        serving = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "serve", "--root", str(project), "--port",
+                                    str(port)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        completed = []
+        while not completed:
+            assert serving.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(3)
+            if "served from this process" not in log.read_text():
+                continue
+            with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{port}/api"}), \
+                    get_client(sync_client=True) as client:
+                completed = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                    state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.COMPLETED]))))
+        text = log.read_text()
+        assert "started a local Prefect server" in text and "watch-traces/small: every 10s" in text
+        assert "retrain/small: no schedule (started by its sensor)" in text
+    finally:
+        os.killpg(serving.pid, signal.SIGINT)
+        try:
+            serving.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(serving.pid, signal.SIGKILL)
+            serving.wait()
+    assert "Completed" in str(completed[0].state)
