@@ -100,7 +100,7 @@ def runner_deployments(root: Path, wanted: list[Planned]) -> list:
 
 
 def deploy(root: Path, pool: str, wanted: list[Planned], job_variables: dict | None = None) -> dict:
-    """Create or update the deployments on work pool `pool` and reconcile; what was created and deleted."""
+    """Create or update the deployments on work pool `pool`, then reconcile; what was kept and deleted."""
     from prefect import Flow
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound

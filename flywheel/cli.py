@@ -218,6 +218,7 @@ def deploy(pool: str = typer.Option(..., "--pool", help="Work pool on the Prefec
     except json.JSONDecodeError as err:
         _fail(f"--job-variables is not JSON: {err}")
     wanted = _planned(root)
+    os.chdir(root)  # the flows are loaded from the project's files, whose imports resolve from its root
     if results:
         typer.echo(f"Prefect results in {results} ({deployments.use_result_storage(results)}); S3 settings: "
                    f"{s3_summary() or 'none set (boto3 defaults)'}")
