@@ -1,4 +1,4 @@
-"""The `flywheel` command: run a pipeline, run one stage without orchestration, compare, rerun, status."""
+"""The `flywheel` command: run a pipeline or one stage, check, compare, rerun, status, serve and deploy."""
 
 from __future__ import annotations
 
@@ -235,6 +235,97 @@ def check(root: Path = ROOT) -> None:
     except ConfigError as err:
         _fail(str(err))
     typer.echo(f"{root / 'pipelines.yaml'}: ok ({', '.join(sorted(pipelines))})")
+
+
+RESULTS = typer.Option(None, "--results", envvar="FLYWHEEL_RESULTS_URL",
+                       help="Keep Prefect results (the stage caches) here, e.g. s3://bucket/prefect-results.")
+
+
+def _planned(root: Path) -> list:
+    from flows.deployments import plan
+    from flywheel.config import load_pipelines
+
+    wanted = plan(load_pipelines(root / "pipelines.yaml"), root)
+    if not wanted:
+        _fail(f"{root / 'pipelines.yaml'}: no pipeline has a `schedule` or a `trigger`, so there is nothing to "
+              "deploy; add e.g. `schedule: {cron: \"0 3 * * 1\", timezone: UTC}` to a pipeline")
+    return wanted
+
+
+def _print_reconciled(report: dict, where: str) -> None:
+    for name in report["kept"]:
+        typer.echo(f"  {name}: {', '.join(report['schedules'][name]) or 'no schedule (started by its sensor)'}")
+    for name in report["deleted"]:
+        typer.echo(f"  {name}: deleted (no schedule or trigger for it in pipelines.yaml)")
+    typer.echo(f"{len(report['kept'])} deployment(s) {where}")
+
+
+@app.command()
+def serve(root: Path = ROOT, results: str | None = RESULTS,
+          port: int = typer.Option(4200, "--port", help="Port of the local Prefect server, if one is started."),
+          ) -> None:
+    """Serve every pipeline's schedule and trigger from this one process (retrain/P, watch-traces/P)."""
+    from contextlib import ExitStack
+
+    from flows import deployments
+
+    root = _checked_root(root)
+    wanted = _planned(root)
+    os.chdir(root)  # the served flows' entrypoints are paths under the project root
+    with ExitStack() as stack:
+        if not os.environ.get("PREFECT_API_URL"):
+            # Prefect's ephemeral server runs no scheduler: schedules need a real one, so start it here
+            home = Path(os.environ["PREFECT_HOME"])
+            try:
+                url = stack.enter_context(deployments.local_server(home, port=port))
+            except RuntimeError as err:
+                _fail(f"{err}\n(no PREFECT_API_URL is set, so `flywheel serve` starts its own Prefect server on "
+                      f"127.0.0.1:{port}; pass --port, or point PREFECT_API_URL at a running server)")
+            os.environ["PREFECT_API_URL"] = url
+            typer.echo(f"no PREFECT_API_URL: started a local Prefect server at {url.removesuffix('/api')} "
+                       f"(state in {home}); it stops with this process")
+        from prefect import serve as prefect_serve
+
+        if results:
+            typer.echo(f"Prefect results in {results} ({deployments.use_result_storage(results)})")
+        served = deployments.runner_deployments(root, wanted)
+        for deployment in served:
+            deployment.apply()
+        report = deployments.reconcile(wanted, pool=None, root=root)
+        _print_reconciled(report, "served from this process (Ctrl-C stops)")
+        prefect_serve(*served, print_starting_message=False)
+
+
+@app.command()
+def deploy(pool: str = typer.Option(..., "--pool", help="Work pool on the Prefect server (PREFECT_API_URL)."),
+           root: Path = ROOT, results: str | None = RESULTS,
+           job_variables: str | None = typer.Option(None, "--job-variables",
+                                                    help='JSON for the pool\'s job template, e.g. \'{"gpus": 1}\'.')
+           ) -> None:
+    """Create or update the deployments on a work pool; schedules end up exactly as pipelines.yaml says."""
+    import json
+
+    from flows import deployments
+    from flywheel.settings import s3_summary
+
+    root = _checked_root(root)
+    if not os.environ.get("PREFECT_API_URL"):
+        _fail("flywheel deploy needs a Prefect server: set PREFECT_API_URL (e.g. http://prefect:4200/api, see "
+              "infra/README.md); on one machine without a server, `flywheel serve` runs the schedules instead")
+    try:
+        variables = json.loads(job_variables) if job_variables else None
+    except json.JSONDecodeError as err:
+        _fail(f"--job-variables is not JSON: {err}")
+    wanted = _planned(root)
+    os.chdir(root)  # the flows are loaded from the project's files, whose imports resolve from its root
+    if results:
+        typer.echo(f"Prefect results in {results} ({deployments.use_result_storage(results)}); S3 settings: "
+                   f"{s3_summary() or 'none set (boto3 defaults)'}")
+    try:
+        report = deployments.deploy(root, pool, wanted, job_variables=variables)
+    except deployments.DeployError as err:
+        _fail(str(err))
+    _print_reconciled(report, f"on work pool '{pool}'; run them with `prefect worker start --pool {pool}`")
 
 
 def _print_summary(summary: dict, root: Path, seconds: float) -> None:

@@ -295,8 +295,36 @@ class GateConfig(Section):
 
 
 class ScheduleConfig(Section):
+    """When the retrain deployment runs (`flywheel serve` / `flywheel deploy`): a 5-field cron in a timezone."""
+
     cron: str
-    timezone: str = "UTC"
+    timezone: str = "UTC"  # IANA name; the cron is read in it (so 03:00 stays 03:00 across DST)
+
+    @model_validator(mode="after")
+    def _valid(self) -> ScheduleConfig:
+        from datetime import datetime
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        from cronsim import CronSim, CronSimError
+
+        try:
+            CronSim(self.cron, datetime(2026, 1, 1))
+        except CronSimError as err:
+            raise ValueError(f"cron {self.cron!r} is not a 5-field cron expression ({err}), "
+                             "e.g. '0 3 * * 1' for Mondays at 03:00") from None
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"timezone {self.timezone!r} is not an IANA time zone, e.g. 'UTC' or "
+                             "'Europe/Berlin'") from None
+        return self
+
+
+class TriggerConfig(Section):
+    """Retrain when enough new traces arrived: the `watch-traces` deployment checks the sources every `every_s`."""
+
+    min_new_traces: int = Field(ge=1)  # records newer than collect's watermarks, counted across the sources
+    every_s: int = Field(300, ge=10)  # how often the sensor looks (it reads file sizes and listings, not records)
 
 
 class PipelineConfig(Section):
@@ -311,7 +339,8 @@ class PipelineConfig(Section):
     rl: RLConfig
     evaluate: EvaluateConfig
     gate: GateConfig
-    schedule: ScheduleConfig | None = None
+    schedule: ScheduleConfig | None = None  # none: no scheduled retrain (a trigger or a manual run still can)
+    trigger: TriggerConfig | None = None  # none: no sensor watching the trace sources
 
     def section_hash(self, *names: str) -> str:
         """A stable hash of the named sections, for cache keys and lineage tags."""

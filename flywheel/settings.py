@@ -31,5 +31,26 @@ def configure(root: Path) -> None:
         "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",  # S3-compatible stores reject the new checksums
         "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required",
     }
+    if os.environ.get("AWS_ENDPOINT_URL"):
+        # boto3, s3fs (DVC, Prefect results) read AWS_ENDPOINT_URL themselves; MLflow's own variable, for clients
+        # and servers that predate it
+        defaults["MLFLOW_S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+
+
+# Object storage is configured the boto3 way, once, for DVC's S3 remote, MLflow's artifacts and Prefect's results:
+# credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or a profile or an instance role), AWS_DEFAULT_REGION,
+# and AWS_ENDPOINT_URL for an S3-compatible store (MinIO, Ceph, moto), which also needs the two checksum
+# settings above.
+S3_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_ACCESS_KEY_ID",
+                "AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION")
+RESULTS_URL = "FLYWHEEL_RESULTS_URL"  # e.g. s3://bucket/prefect-results: where Prefect keeps the stage caches
+
+
+def s3_summary() -> dict[str, str]:
+    """The S3 settings in effect, for messages: credentials only as "(set)", never their values."""
+    found = {k: os.environ[k] for k in S3_VARIABLES if os.environ.get(k)}
+    if "AWS_ACCESS_KEY_ID" in found:
+        found["AWS_ACCESS_KEY_ID"] = "(set)"
+    return found

@@ -151,3 +151,83 @@ def s3_bucket(moto_endpoint, monkeypatch, tmp_path):
     bucket = f"traces-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
     return client, bucket
+
+
+def _wait_http(url: str, process: subprocess.Popen, what: str, log: Path, timeout_s: float = 180) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start: {log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop a server started by a fixture, and its children (it leads its own process group)."""
+    import signal
+
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture
+def prefect_api(tmp_path) -> str:
+    """A real `prefect server start` on SQLite (its own PREFECT_HOME) on a free loopback port; yields the API URL."""
+    from flows.deployments import local_server
+
+    with local_server(tmp_path / "prefect-server-home") as url:
+        yield url
+
+
+@pytest.fixture
+def mlflow_server(tmp_path, s3_bucket) -> tuple[str, str]:
+    """(tracking URL, bucket): `mlflow server` on SQLite whose artifacts go to the moto S3 bucket under mlflow/."""
+    from flows.deployments import free_port
+
+    _, bucket = s3_bucket
+    port = free_port()
+    log = tmp_path / "mlflow-server.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+             "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow-server.db'}",
+             "--artifacts-destination", f"s3://{bucket}/mlflow", "--workers", "1"],
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # its job runners cost CPU
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", server, "mlflow server", log)
+        yield f"http://127.0.0.1:{port}", bucket
+    finally:
+        _stop(server)
+
+
+@pytest.fixture
+def process_worker(tmp_path):
+    """start(pool, env) -> a `prefect worker start --type process` subprocess; every one started is stopped."""
+    started = []
+
+    def start(pool: str, env: dict) -> subprocess.Popen:
+        log = tmp_path / f"worker-{pool}.log"
+        with log.open("wb") as out:
+            worker = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool",
+                                       pool, "--type", "process"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        _stop(worker)
