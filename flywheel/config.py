@@ -248,9 +248,9 @@ class RLConfig(Section):
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = "grpo"
     max_length: int = Field(128, ge=16)
     seed: int = 0
-    # Asynchronous rollouts: actor processes generate while the learner steps. A group made by policy version
-    # v is used at learner step s only if s - v <= max_staleness; 0 is the synchronous baseline (actors wait
-    # for each new version). actors: 0 generates in the learner's own process (synchronous only).
+    # Asynchronous rollouts: actor processes generate while the learner steps. Step s learns from groups made
+    # by exactly policy version max(s - max_staleness, 0) (reproducible); 0 is the synchronous baseline (actors
+    # wait for each new version). actors: 0 generates in the learner's own process, taking turns with learning.
     actors: int = Field(1, ge=0)
     max_staleness: int = Field(1, ge=0)
     tis_cap: float = Field(2.0, gt=0)  # truncated importance sampling: weights pi_old/pi_behaviour capped here
@@ -261,13 +261,6 @@ class RLConfig(Section):
     actor_threads: int = Field(1, ge=1)
     generation: Literal["hf", "vllm"] = "hf"  # the actors' engine: transformers (CPU/GPU) or vLLM (GPU)
     checkpoint_every: int = Field(5, ge=0)  # learner steps between resumable checkpoints; 0: none
-
-    @model_validator(mode="after")
-    def _in_process_is_synchronous(self) -> RLConfig:
-        if self.actors == 0 and self.max_staleness > 0:
-            raise ValueError("actors: 0 generates in the learner's process, which cannot overlap with "
-                             "learning: set max_staleness: 0, or actors >= 1")
-        return self
 
 
 class EvaluateConfig(Section):

@@ -36,14 +36,18 @@ CFG = RLConfig(steps=3, tasks_per_step=3, group_size=3, minibatch_size=8, lr=1e-
                checkpoint_every=0)
 
 
-def test_one_actor_at_max_staleness_0_is_the_synchronous_run(tiny_student, tasks, tmp_path):
-    """The same rollouts and the same weights whether the learner generates itself or an actor process does."""
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_an_actor_process_gives_the_in_process_run(tiny_student, tasks, tmp_path, staleness):
+    """The same rollouts and the same weights whether the learner generates itself or an actor process does:
+    at max_staleness 0 (the synchronous baseline) and at 1, where step s is made by exactly version s - 1."""
     in_process, _ = train_rl(tiny_student, GradedCalculator(), tasks,
-                             CFG.model_copy(update={"actors": 0, "max_staleness": 0}), tmp_path / "sync", 1)
+                             CFG.model_copy(update={"actors": 0, "max_staleness": staleness}), tmp_path / "sync", 1)
     actor, summary = train_rl(tiny_student, GradedCalculator(), tasks,
-                              CFG.model_copy(update={"actors": 1, "max_staleness": 0}), tmp_path / "async0", 1)
+                              CFG.model_copy(update={"actors": 1, "max_staleness": staleness}),
+                              tmp_path / "async0", 1)
     assert actor == in_process
-    assert all(r["behaviour_version"] == r["policy_version"] == r["step"] for r in actor)
+    assert all(r["policy_version"] == r["step"] for r in actor)
+    assert all(r["behaviour_version"] == max(r["step"] - staleness, 0) for r in actor)
     assert any(r["advantage"] is not None for r in actor)  # something was learned from
     a, b = weights(load_student(tmp_path / "sync")[0]), weights(load_student(tmp_path / "async0")[0])
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -62,7 +66,7 @@ def test_async_reward_rises_within_the_staleness_bound(tiny_student, tasks, tmp_
     table = Rollouts.validate(pd.DataFrame(rows, columns=list(Rollouts.to_schema().columns)))
     lag = table["policy_version"] - table["behaviour_version"]
     assert (lag[~table["dropped"]] <= cfg.max_staleness).all()
-    assert (lag == 1).any(), "the actor never ran ahead of the learner: nothing overlapped"
+    assert (lag == table["step"].clip(upper=cfg.max_staleness)).all()  # exactly the bound, whatever the timing
     assert len(table) == cfg.steps * cfg.tasks_per_step * cfg.group_size
     for m in seen:
         assert sum(m[f"staleness_{k}"] for k in range(cfg.max_staleness + 1)) == m["groups"]
@@ -123,7 +127,7 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_killed_run_resumes_from_its_last_checkpoint(tiny_student, tasks, tmp_path):
-    cfg = CFG.model_copy(update={"steps": 8, "tasks_per_step": 6, "actors": 1, "max_staleness": 0,
+    cfg = CFG.model_copy(update={"steps": 8, "tasks_per_step": 6, "actors": 1, "max_staleness": 1,
                                  "checkpoint_every": 1})
     script = tmp_path / "run_rl.py"
     result = tmp_path / "result.json"
@@ -151,7 +155,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(tiny_student, tasks, tmp_pa
     assert resumed["summary"]["resumed_from_step"] >= 2
     assert not checkpoints.exists()  # a finished run leaves no checkpoints behind
 
-    # Exactly the run that was never interrupted (max_staleness 0 is deterministic): rows and weights.
+    # Exactly the run that was never interrupted (which version makes a step is fixed): rows and weights.
     whole, _ = train_rl(tiny_student, GradedCalculator(), tasks, cfg.model_copy(update={"actors": 0}),
                         tmp_path / "whole", 1, checkpoint_dir=tmp_path / "whole-checkpoints")
     assert resumed["rows"] == whole

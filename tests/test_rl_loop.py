@@ -213,11 +213,6 @@ def test_rubric_as_a_trl_reward_function():
         reward(prompts[:1], completions[:1], task_id=["nope"])
 
 
-def test_in_process_generation_must_be_synchronous():
-    with pytest.raises(ValueError, match="max_staleness: 0"):
-        RLConfig(actors=0, max_staleness=1)
-
-
 @pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo"])
 def test_kl_to_the_starting_checkpoint_and_other_normalisations(student, tasks, tmp_path, loss_type):
     cfg = CFG.model_copy(update={"steps": 2, "kl_beta": 0.1, "loss_type": loss_type})

@@ -1,8 +1,9 @@
 """Actors: processes that run scored episode groups with a snapshot of the policy and put them in the buffer.
 
-An actor takes the next step's work, waits until the published policy is fresh enough for it (the staleness
-bound enforced where work is dispatched: a group for step s is made by version >= s - max_staleness, so it is
-never too old when the learner reaches step s), copies newer weights in if there are any, runs the episodes
+An actor takes the next step's work, waits until the policy version that step is made with is published (the
+staleness bound enforced where work is dispatched: a group for step s is made by exactly version
+max(s - max_staleness, 0), so it is never too old when the learner reaches step s, and which weights made it
+does not depend on timing), copies those weights in, runs the episodes
 through the one harness (flywheel.agent), scores them with the rubric, encodes them and puts each group into
 the bounded buffer tagged with the version that made it.
 """
@@ -86,12 +87,12 @@ def actor_main(actor: int, model_dir: str, env: Environment, cfg: RLConfig, max_
                 continue
             if work is None:
                 return
-            need = max(work.step - cfg.max_staleness, 0)
+            need = max(work.step - cfg.max_staleness, 0)  # exactly this version: the step alone decides
             while board.wait_for(need, _POLL_S) < need:
                 if not wanted():
                     return
-            if board.version.value > version:
-                version = board.load_into(policy)
+            if version != need:
+                version = board.load_into(policy, need)
             idle += time.perf_counter() - waited
             started = time.perf_counter()
             groups = rollout(env, policy, tokenizer, work, cfg, max_turns, version)

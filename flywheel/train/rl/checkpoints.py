@@ -48,6 +48,7 @@ class Resumed:
     shuffle: torch.Tensor
     rows: list[dict]
     history: list[dict]
+    behaviour: dict[int, dict[str, torch.Tensor]]  # older versions later steps are generated with, by version
 
 
 class Checkpoints:
@@ -72,17 +73,18 @@ class Checkpoints:
         state = torch.load(path / "state.pt", weights_only=True)
         extra = json.loads((path / "progress.json").read_text())
         return Resumed(int(path.name.split("-")[1]), path / "model", state["optimizer"], state["shuffle"],
-                       extra["rows"], extra["history"])
+                       extra["rows"], extra["history"], state["behaviour"])
 
     def save(self, step: int, model, tokenizer, optimizer, shuffle: torch.Generator, rows: list[dict],
-             history: list[dict]) -> Path:
+             history: list[dict], behaviour: dict[int, dict[str, torch.Tensor]]) -> Path:
         """Write the state after `step` steps: a temporary folder renamed into place, so a kill leaves none half."""
         final = self.folder / f"step-{step}"
         partial = self.folder / f".step-{step}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         save_student(model, tokenizer, partial / "model")
         (partial / "progress.json").write_text(json.dumps({"rows": rows, "history": history}))
-        torch.save({"optimizer": optimizer.state_dict(), "shuffle": shuffle.get_state()}, partial / "state.pt")
+        torch.save({"optimizer": optimizer.state_dict(), "shuffle": shuffle.get_state(), "behaviour": behaviour},
+                   partial / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         for old in self.folder.glob("step-*"):

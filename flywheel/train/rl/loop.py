@@ -3,14 +3,16 @@
     source (work per step) -> actors (processes: episodes, rubric, encode) -> bounded buffer -> learner
     learner: drop stale groups, group advantages, clipped loss with truncated IS, step, publish weights
 
-`max_staleness: 0` is the synchronous baseline on the same code: an actor starts step s's work only once the
-weights of version s are published, so it waits while the learner steps. `actors: 0` generates in the
-learner's own process (synchronous only), which gives the same rollouts and weights as one actor with
-max_staleness 0.
+Step s's rollouts are made by exactly policy version max(s - max_staleness, 0), whichever process makes them and
+whenever: `max_staleness: 0` is the synchronous baseline on the same code (an actor starts step s's work only once
+version s is published, so it waits while the learner steps), and an asynchronous run is as reproducible as a
+synchronous one. `actors: 0` generates in the learner's own process, taking turns with learning: the same
+rollouts and weights as actor processes, without the overlap (the reference the tests compare against).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,19 +75,25 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
         rows, history = resumed.rows, resumed.history
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     work = work_items(tasks, cfg.tasks_per_step, cfg.seed, first, cfg.steps)
+    # The versions later steps are generated with: the last max_staleness + 1 (none kept when it is 0: the live
+    # model is the behaviour policy). A resumed run gets back the ones its checkpoint kept.
+    recent = ({**(resumed.behaviour if resumed else {}), first: _snapshot(model)} if cfg.max_staleness else {})
 
     pool = None
     if cfg.actors:
         ctx = torch.multiprocessing.get_context("spawn")  # fork with torch threads running is unsafe
-        board = WeightBoard(model.state_dict(), ctx)
-        board.publish(model, first)
+        board = WeightBoard(model.state_dict(), ctx, slots=cfg.max_staleness + 1)
+        for held in sorted(recent):
+            board.publish(recent[held], held)
+        board.publish(model.state_dict(), first)
         # Room for every group the staleness bound lets the actors make ahead of the learner.
         size = (cfg.max_staleness + 1) * cfg.tasks_per_step * cfg.actors
         pool = ActorPool(cfg.actors, Path(model_dir), env, cfg, max_turns, board, ctx, size)
         pool.start(work)
         buffer = RolloutBuffer(pool.buffer, cfg.max_staleness, pool.check)
-    else:
-        policy = HFPolicy(model, tokenizer)
+    else:  # with max_staleness > 0 an older version generates: a second copy of the model holds it
+        policy = HFPolicy(copy.deepcopy(model) if cfg.max_staleness else model, tokenizer)
+        policy_version = first
 
     totals = {"wait_s": 0.0, "learn_s": 0.0, "generate_s": 0.0, "actor_idle_s": 0.0}
     steps_started = time.perf_counter()
@@ -97,7 +105,11 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
             if pool:
                 groups, stale, wait_s = buffer.take(step, cfg.tasks_per_step, version)
             else:
-                groups = rollout(env, policy, tokenizer, item, cfg, max_turns, version)
+                need = max(step - cfg.max_staleness, 0)
+                if cfg.max_staleness and need != policy_version:  # at 0 the live model generates
+                    policy.load_weights(recent[need])
+                    policy_version = need
+                groups = rollout(env, policy, tokenizer, item, cfg, max_turns, need)
                 stale, wait_s = [], time.perf_counter() - t0
                 for group in groups:  # the learner is its own actor: it generates, then waits while it learns
                     group.actor, group.generate_s = -1, wait_s / len(groups)
@@ -109,15 +121,20 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
                        for s in samples_of(g, advantages[g.index])]
             stats = (learn_on_batch(model, optimizer, collate(samples, pad_id), cfg, shuffle, reference)
                      if samples else {})
+            if recent:
+                recent[version + 1] = _snapshot(model)
+                for old in [v for v in recent if v < version + 1 - cfg.max_staleness]:
+                    del recent[old]
             if pool:
-                board.publish(model, version + 1)
+                board.publish(model.state_dict(), version + 1)
             everything = sorted(groups + stale, key=lambda g: g.index)
             rows.extend(_rows(step, version, everything, advantages, {g.index for g in stale}))
             learn_s = time.perf_counter() - t1
             metrics = _metrics(groups, stale, stats, cfg, wait_s, learn_s, version + 1)
             history.append(metrics)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                checkpoints.save(step + 1, model, tokenizer, optimizer, shuffle, rows, history)
+                checkpoints.save(step + 1, model, tokenizer, optimizer, shuffle, rows, history,
+                                 {v: w for v, w in recent.items() if v <= step})
             totals["wait_s"] += wait_s
             totals["learn_s"] += learn_s
             totals["generate_s"] += sum(g.generate_s for g in groups + stale)
@@ -132,6 +149,10 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     save_student(model, tokenizer, out_dir)
     checkpoints.remove()
     return rows, _summary(cfg, rows, history, totals, started, steps_started, first)
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig, wait_s: float,
