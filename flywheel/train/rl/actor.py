@@ -3,9 +3,9 @@
 An actor takes the next step's work, waits until the policy version that step is made with is published (the
 staleness bound enforced where work is dispatched: a group for step s is made by exactly version
 max(s - max_staleness, 0), so it is never too old when the learner reaches step s, and which weights made it
-does not depend on timing), copies those weights in, runs the episodes
-through the one harness (flywheel.agent), scores them with the rubric, encodes them and puts each group into
-the bounded buffer tagged with the version that made it.
+does not depend on timing), copies those weights in, runs the episodes through the one harness
+(flywheel.agent), scores them with the rubric, encodes them and puts each group into the bounded buffer tagged
+with the version that made it.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def actor_policy(kind: str, model_dir: Path):
 
 def actor_main(actor: int, model_dir: str, env: Environment, cfg: RLConfig, max_turns: int, work_queue,
                buffer, board: WeightBoard, stop) -> None:
-    """An actor process: take work, wait for fresh enough weights, roll out, put groups; until told to stop."""
+    """An actor process: take work, wait for the version it is made with, roll out, put groups; until stopped."""
     import multiprocessing
 
     import torch
