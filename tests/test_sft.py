@@ -27,7 +27,7 @@ def small(**overrides) -> SFTConfig:
 
 
 def test_labels_are_masked_outside_assistant_tokens(tiny_student, rows, tmp_path):
-    trainer, _ = build_sft_trainer(tiny_student, rows, tmp_path / "sft", small())
+    trainer, _, counts = build_sft_trainer(tiny_student, rows, tmp_path / "sft", small(eval_fraction=0.0))
     tokenizer = trainer.processing_class
     example = trainer.train_dataset[0]
     ids, mask = encode_conversation(tokenizer, rows[0]["messages"], rows[0]["tools"], max_length=128)
