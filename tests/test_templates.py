@@ -7,7 +7,11 @@ import re
 
 import pytest
 from family_students import FAMILIES, build_family_student, calculator_rows
-from trl.chat_template_utils import llama3_2_chat_template, llama3_training_chat_template, qwen2_5_training_chat_template
+from trl.chat_template_utils import (
+    llama3_2_chat_template,
+    llama3_training_chat_template,
+    qwen2_5_training_chat_template,
+)
 
 from flywheel.config import SFTConfig
 from flywheel.train.checkpoint import canonical_messages

@@ -143,7 +143,7 @@ def train_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTCon
     return {"train_loss": float(result.training_loss), "final_loss": float(losses[-1]) if losses else None,
             "eval_loss": eval_loss, "steps": int(trainer.state.global_step), "runtime_s": runtime,
             "tokens": int(tokens), "tokens_per_s": tokens / runtime if runtime > 0 else 0.0,
-            "resumed_from": resume, **counts}
+            "resumed_from": resume, "world_size": int(trainer.args.world_size), **counts}
 
 
 def _final_eval_loss(trainer) -> float | None:
