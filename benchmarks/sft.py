@@ -40,7 +40,8 @@ def bare_trl(base: Path, rows: list[dict], out: Path, sft) -> tuple[int, float]:
     tokenizer = AutoTokenizer.from_pretrained(base)
     data = datasets.Dataset.from_list([{"messages": r["messages"], "tools": json.dumps(r["tools"])} for r in rows])
     args = SFTConfig(output_dir=str(out / "checkpoints"), max_steps=sft.steps,
-                     per_device_train_batch_size=sft.batch_size, learning_rate=sft.lr, lr_scheduler_type="cosine", warmup_steps=sft.warmup_steps, seed=sft.seed,
+                     per_device_train_batch_size=sft.batch_size, learning_rate=sft.lr, lr_scheduler_type="cosine",
+                     warmup_steps=sft.warmup_steps, seed=sft.seed,
                      max_length=sft.max_length, assistant_only_loss=True, use_cpu=True, bf16=False,
                      gradient_checkpointing=False, activation_checkpointing=False, save_strategy="no",
                      report_to="none", disable_tqdm=True, include_num_input_tokens_seen="non_padding",
@@ -79,7 +80,8 @@ def main() -> None:
         best = {"stage": 0.0, "bare": 0.0}
         tokens = {}
         for i in range(args.repeats):
-            for name, run in (("bare", bare_trl), ("stage", stage)):
+            order = (("bare", bare_trl), ("stage", stage))
+            for name, run in order if i % 2 == 0 else order[::-1]:  # neither always goes first
                 n, seconds = run(base, rows, Path(tmp) / f"{name}-{i}", sft)
                 tokens[name] = n
                 best[name] = max(best[name], n / seconds)
