@@ -289,6 +289,9 @@ def launch_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTCo
     if not config.is_file():
         raise FileNotFoundError(f"sft.launcher: {cfg.launcher} needs the accelerate config {config} "
                                 "(infra/accelerate/ddp.yaml and fsdp.yaml ship with the project)")
+    # Checkpoints of other inputs are cleared here, once: every rank clearing them itself would race.
+    _resume_point(out_dir.parent / "sft-checkpoints",
+                  _fingerprint(base_dir, sft_records(rows), cfg, _template_of(base_dir, chat_template)))
     job = write_job(out_dir.parent / "sft-job", base_dir, rows, out_dir,
                     cfg.model_copy(update={"launcher": "single"}), chat_template)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
@@ -306,6 +309,15 @@ def launch_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTCo
         raise RuntimeError(f"`{' '.join(command)}` exited with {process.returncode} (its output is above); the "
                            "checkpoints are kept, so a rerun resumes")
     return json.loads((job.parent / JOB_RESULT).read_text())
+
+
+def _template_of(base_dir: Path | str, chat_template: str | Path | None) -> str:
+    """The training template build_sft_trainer will choose, from the tokenizer and config alone (no weights)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir), trust_remote_code=False)
+    model_type = getattr(AutoConfig.from_pretrained(str(base_dir), trust_remote_code=False), "model_type", None)
+    return training_template(tokenizer, str(base_dir), model_type, configured=chat_template)
 
 
 def _forward(log: Path, seen: int, on_log: Callable[[int, dict], None] | None) -> int:
