@@ -1,4 +1,10 @@
-"""Distillation SFT: TRL's SFTTrainer on conversations, loss on assistant tokens only, resumable."""
+"""Distillation SFT: TRL's SFTTrainer on conversations, loss on assistant tokens only, resumable.
+
+The conversations are tokenised here, with the training template the student will ship (flywheel.train.templates)
+and the RL learner's encode_conversation, so SFT, RL and the harness see the same tokens; long ones are cut or
+dropped by sft.long_conversations and counted. Full fine-tuning or LoRA/QLoRA (peft); in this process or under
+`accelerate launch` (DDP/FSDP, flywheel.train.sft_launch).
+"""
 
 from __future__ import annotations
 
