@@ -47,7 +47,7 @@ def test_lora_adapter_loads_over_its_named_base_trainable(tiny_student, rows, tm
     assert trainable and all("lora_" in name for name in trainable)  # RL trains the adapter, the base is frozen
     ids = tokenizer("<|im_start|>user\n2+2<|im_end|>\n", return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    assert out.shape[1] == ids["input_ids"].shape[1] + 3 or tokenizer.eos_token_id in out[0].tolist()
+    assert ids["input_ids"].shape[1] < out.shape[1] <= ids["input_ids"].shape[1] + 3  # eval generates through it
     # the adapter's merged weights equal what `merged` would have saved from the same run
     merged = model.merge_and_unload()
     again = train_sft(tiny_student, rows, tmp_path / "merged", lora_cfg("merged"))
