@@ -53,8 +53,15 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dic
         run.metrics({"train_conversations": len(rows), "conversations_from_teacher": len(rows) - from_traces,
                      "conversations_from_traces": from_traces})
         template = root_path / cfg.student.chat_template if cfg.student.chat_template else None
-        result = train_sft(base, rows, catalog.model_dir("sft"), cfg.sft,
-                           on_log=progress(run, "sft", cfg.sft.steps, "loss"), chat_template=template,
+        report = progress(run, "sft", cfg.sft.steps, "loss")
+
+        def on_log(step: int, values: dict) -> None:
+            if "loss" in values:
+                report(step, values)
+            else:  # eval losses go to MLflow only: the progress line is about training steps
+                run.metrics(values, step=step)
+
+        result = train_sft(base, rows, catalog.model_dir("sft"), cfg.sft, on_log=on_log, chat_template=template,
                            accelerate_config=root_path / "infra" / "accelerate" / f"{cfg.sft.launcher}.yaml")
         run.metrics({f"final_{k}": v for k, v in result.items()})
         base_of_adapter = adapter_base(catalog.model_dir("sft"))
