@@ -48,6 +48,9 @@ class StudentConfig(Section):
     # "tiny" builds the demo student from scratch; anything else is a checkpoint folder or a hub id.
     model: str = "tiny"
     tiny: TinyModelConfig = TinyModelConfig()
+    # A .jinja file (under the project root) with {% generation %} markers, for a student whose own template has
+    # none and is not one TRL ships a training version of. When set it is used in place of the student's own.
+    chat_template: str | None = None
 
 
 class TeacherConfig(Section):
@@ -222,6 +225,18 @@ class SynthesizeConfig(Section):
     include_accepted_traces: bool = False  # train traces with outcome 'accepted' become targets too
 
 
+class LoRAConfig(Section):
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: str | list[str] = "all-linear"
+    # QLoRA: the frozen base loaded in 4 or 8 bits (bitsandbytes, CUDA only); None keeps it in full precision.
+    quantize: Literal["4bit", "8bit"] | None = None
+    # "merged": the adapter is folded into the base and the student is a plain checkpoint;
+    # "adapter": the student is the adapter folder, registered with its base named.
+    save: Literal["merged", "adapter"] = "merged"
+
+
 class SFTConfig(Section):
     steps: int = Field(600, ge=1)
     batch_size: int = Field(32, ge=1)
@@ -230,6 +245,15 @@ class SFTConfig(Section):
     max_length: int = Field(128, ge=16)
     seed: int = 0
     log_every: int = Field(10, ge=1)
+    # A conversation longer than max_length is cut to it ("truncate") or left out ("drop"); either is counted.
+    long_conversations: Literal["truncate", "drop"] = "truncate"
+    # Fraction of the conversations held out (by content hash) for an eval loss every eval_every steps; 0: none.
+    eval_fraction: float = Field(0.02, ge=0, lt=0.5)
+    eval_every: int = Field(100, ge=1)
+    lora: LoRAConfig | None = None  # None: full fine-tuning (the default for small students)
+    # "single": in this process; "ddp"/"fsdp": `accelerate launch` with infra/accelerate/<launcher>.yaml.
+    launcher: Literal["single", "ddp", "fsdp"] = "single"
+    processes: int = Field(2, ge=1)  # processes accelerate starts (one per GPU; gloo on CPU)
 
 
 class RLConfig(Section):

@@ -12,6 +12,7 @@ from flywheel.data import dvc
 from flywheel.data.catalog import Catalog, content_hash
 from flywheel.evaluate.gate import GateDecision
 from flywheel.registry import stage_run
+from flywheel.train.checkpoint import adapter_base
 from tasks.caching import by_content
 from tasks.spec import output_hashes
 
@@ -46,6 +47,8 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
                 **{f"flywheel.score.{k}": round(v, 4) for k, v in gate["scores"].items()},
                 **{f"flywheel.data.{k}": v for k, v in dvc.lock_hashes(root_path, "rl", pipeline).items()},
                 **(lineage or {})}
+        if adapter_base(model_dir):  # a LoRA adapter: serving needs the base it was trained over
+            tags["flywheel.adapter_base"] = adapter_base(model_dir)
         tags |= {"flywheel.gate_reasons": "; ".join(gate["reasons"])[:5000],
                  "flywheel.gate_champion": gate.get("champion_version") or "none",
                  **{f"flywheel.gate.{k}": round(v, 4) for k, v in (gate["numbers"].get("diff") or {}).items()

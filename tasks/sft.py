@@ -10,7 +10,9 @@ from prefect import task
 
 from flywheel.config import load_pipeline
 from flywheel.data.catalog import Catalog
+from flywheel.data.lineage import dvc_md5, log_dataset
 from flywheel.registry import stage_run
+from flywheel.train.checkpoint import adapter_base
 from flywheel.train.sft import train_sft
 from flywheel.train.tiny import build_tiny_student, render_conversation
 from tasks.caching import by_content
@@ -27,11 +29,15 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dic
     params = cfg.model_dump(include={"student", "sft"})
     with stage_run(root_path, pipeline, "sft", parent_run_id, params) as run:
         synthetic = catalog.read("synthetic")
+        log_dataset(run.run_id, synthetic, f"{pipeline}-synthetic", catalog.stage_dir("synthesize"),
+                    dvc_md5(catalog.stage_dir("synthesize")))
         accepted = synthetic[synthetic["accepted"]]
         if accepted.empty:
             raise ValueError(f"{catalog.table_path('synthetic')}: no accepted samples to train on")
         rows = [{"messages": json.loads(m), "tools": json.loads(t)}
                 for m, t in zip(accepted["messages"], accepted["tools"], strict=True)]
+        # accepted production traces enter through synthesize.include_accepted_traces (teacher "trace")
+        from_traces = int((accepted["teacher"] == "trace").sum())
         base_dir = catalog.model_dir("base")
         if base_dir.exists():
             shutil.rmtree(base_dir)
@@ -42,11 +48,25 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dic
         else:
             base_dir.mkdir(parents=True)
             (base_dir / "SOURCE").write_text(cfg.student.model + "\n")
-        base = base_dir if cfg.student.model == "tiny" else Path(cfg.student.model)
-        run.metrics({"train_conversations": len(rows)})
-        result = train_sft(base, rows, catalog.model_dir("sft"), cfg.sft,
-                           on_log=progress(run, "sft", cfg.sft.steps, "loss"))
+        local = root_path / cfg.student.model  # a folder under the project root, else a path or hub id as given
+        base = base_dir if cfg.student.model == "tiny" else local if local.is_dir() else Path(cfg.student.model)
+        run.metrics({"train_conversations": len(rows), "conversations_from_teacher": len(rows) - from_traces,
+                     "conversations_from_traces": from_traces})
+        template = root_path / cfg.student.chat_template if cfg.student.chat_template else None
+        report = progress(run, "sft", cfg.sft.steps, "loss")
+
+        def on_log(step: int, values: dict) -> None:
+            if "loss" in values:
+                report(step, values)
+            else:  # eval losses go to MLflow only: the progress line is about training steps
+                run.metrics(values, step=step)
+
+        result = train_sft(base, rows, catalog.model_dir("sft"), cfg.sft, on_log=on_log, chat_template=template,
+                           accelerate_config=root_path / "infra" / "accelerate" / f"{cfg.sft.launcher}.yaml")
         run.metrics({f"final_{k}": v for k, v in result.items()})
+        base_of_adapter = adapter_base(catalog.model_dir("sft"))
+        if base_of_adapter:
+            run.tags({"flywheel.adapter_base": base_of_adapter})
         outputs = output_hashes("sft", pipeline, root_path)
         run.tags({f"flywheel.out.{k}": v for k, v in outputs.items()})
     return {"stage": "sft", "run_id": run.run_id, "metrics": result, "outputs": outputs}

@@ -26,6 +26,8 @@ class StageSpec:
         paths = [root / d.format(p=pipeline) for d in self.deps]
         if self.name == "collect":
             paths += local_files(cfg.collect, root)  # remote sources: see tasks/collect.py cache_key
+        if self.name == "sft" and cfg.student.chat_template:
+            paths.append(root / cfg.student.chat_template)  # its text, not only its name, is an input
         return paths
 
     def out_paths(self, root: Path, pipeline: str) -> list[Path]:

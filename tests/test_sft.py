@@ -27,7 +27,7 @@ def small(**overrides) -> SFTConfig:
 
 
 def test_labels_are_masked_outside_assistant_tokens(tiny_student, rows, tmp_path):
-    trainer, _ = build_sft_trainer(tiny_student, rows, tmp_path / "sft", small())
+    trainer, _, counts = build_sft_trainer(tiny_student, rows, tmp_path / "sft", small(eval_fraction=0.0))
     tokenizer = trainer.processing_class
     example = trainer.train_dataset[0]
     ids, mask = encode_conversation(tokenizer, rows[0]["messages"], rows[0]["tools"], max_length=128)
@@ -62,3 +62,40 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tiny_student, rows, tmp_p
     # Other inputs do not resume from these checkpoints.
     metrics = train_sft(tiny_student, rows[:32], tmp_path / "sft", small())
     assert metrics["resumed_from"] is None
+
+
+def test_long_conversations_are_cut_or_dropped_and_counted(tiny_student, rows):
+    from flywheel.train.sft import sft_records, tokenize_records
+
+    _, tokenizer = load_student(tiny_student)
+    records = sft_records(rows)
+    template = tokenizer.chat_template
+    lengths = [len(encode_conversation(tokenizer, r["messages"], r["tools"], 1 << 20)[0]) for r in rows]
+    limit = sorted(lengths)[len(lengths) // 2]
+    longer = sum(n > limit for n in lengths)
+    assert 0 < longer < len(rows)
+
+    cut = tokenize_records(tokenizer, records, small(max_length=limit, eval_fraction=0.0), template)
+    assert cut.counts["truncated"] == longer and cut.counts["dropped_long"] == 0
+    assert len(cut.train) == len(rows) and max(len(e["input_ids"]) for e in cut.train) == limit
+    dropped = tokenize_records(tokenizer, records, small(max_length=limit, eval_fraction=0.0,
+                                                         long_conversations="drop"), template)
+    assert dropped.counts["dropped_long"] == longer and len(dropped.train) == len(rows) - longer
+    # a cut that leaves no assistant token is dropped and counted; none left at all is an error, not a no-op
+    with pytest.raises(ValueError, match="no SFT conversation left.*'dropped_no_target': 64"):
+        tokenize_records(tokenizer, records, small(max_length=16, eval_fraction=0.0), template)
+
+
+def test_heldout_slice_is_by_content_and_gives_an_eval_loss(tiny_student, rows, tmp_path):
+    from flywheel.train.sft import is_heldout, sft_records
+
+    records = sft_records(rows)
+    picked = [is_heldout(r, 0.25) for r in records]
+    assert picked == [is_heldout(r, 0.25) for r in reversed(records)][::-1]  # not by position
+    assert 0 < sum(picked) < len(records)
+    logged = []
+    metrics = train_sft(tiny_student, rows, tmp_path / "sft", small(eval_fraction=0.25, eval_every=4),
+                        on_log=lambda step, m: logged.append((step, m)))
+    assert [step for step, m in logged if "eval_loss" in m] == [4, 8]
+    assert metrics["eval_examples"] == sum(picked) and metrics["train_examples"] == len(rows) - sum(picked)
+    assert metrics["eval_loss"] == [m for _, m in logged if "eval_loss" in m][-1]["eval_loss"]

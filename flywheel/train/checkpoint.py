@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
-GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+from flywheel.train.templates import has_generation_markers
+
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: a folder with it is a LoRA adapter over the base it names
 
 
 class CheckpointError(ValueError):
     """A checkpoint folder is missing or unusable; the message names the folder and what to do."""
 
 
-def load_student(path: str | Path):
-    """Load (model, tokenizer) from a checkpoint folder (or a cached hub id): safetensors, no remote code, eval."""
+def load_student(path: str | Path, model_kwargs: dict | None = None):
+    """Load (model, tokenizer) from a checkpoint folder (or a cached hub id): safetensors, no remote code, eval.
+
+    A LoRA adapter folder loads over the base its adapter_config.json names, with the adapter trainable.
+    model_kwargs go to from_pretrained (a quantization_config for QLoRA).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     local = Path(path)
+    if local.is_dir() and (local / ADAPTER_CONFIG).exists():
+        return _load_adapter(local)
     if local.is_dir():
         if not (local / "config.json").exists():
             raise CheckpointError(f"{local}: not a model checkpoint (no config.json)")
@@ -31,7 +38,8 @@ def load_student(path: str | Path):
         if not tokenizer.chat_template:
             raise CheckpointError(f"{path}: the tokenizer has no chat template; the harness and SFT need one "
                                   "(save a tokenizer with `chat_template` set)")
-        model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=False, use_safetensors=True)
+        model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=False, use_safetensors=True,
+                                                     **(model_kwargs or {}))
     except OSError as err:
         raise CheckpointError(f"{path}: cannot load a model and tokenizer from it: {err}") from err
     tokenizer.padding_side = "left"  # generation appends on the right
@@ -39,8 +47,33 @@ def load_student(path: str | Path):
     return model, tokenizer
 
 
+def _load_adapter(folder: Path):
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    base = json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base:
+        raise CheckpointError(f"{folder}: {ADAPTER_CONFIG} names no base_model_name_or_path; the adapter "
+                              "cannot be loaded without its base")
+    base_model, _ = load_student(base)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)  # the adapter's own template
+    model = PeftModel.from_pretrained(base_model, str(folder), is_trainable=True)
+    tokenizer.padding_side = "left"
+    model.eval()
+    return model, tokenizer
+
+
+def adapter_base(folder: str | Path) -> str | None:
+    """The base an adapter folder was trained over (as its adapter_config.json names it); None for a full model."""
+    config = Path(folder) / ADAPTER_CONFIG
+    return json.loads(config.read_text()).get("base_model_name_or_path") if config.exists() else None
+
+
 def save_student(model, tokenizer, out_dir: str | Path) -> Path:
-    """Write (model, tokenizer) as a checkpoint folder that load_student reads back (safetensors)."""
+    """Write (model, tokenizer) as a checkpoint folder that load_student reads back (safetensors).
+
+    A peft model is written as its adapter (adapter_config.json names the base); merge it first for a full model.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -49,7 +82,10 @@ def save_student(model, tokenizer, out_dir: str | Path) -> Path:
 
 
 def canonical_messages(messages: list[dict]) -> list[dict]:
-    """Copies with tool-call arguments as canonical JSON text, the form templates write verbatim."""
+    """Copies with tool-call arguments as objects, the form real templates expect (`arguments | tojson`).
+
+    Templates that accept text write the same characters: transformers' tojson is json.dumps(ensure_ascii=False).
+    """
     out = []
     for message in messages:
         message = dict(message)
@@ -63,8 +99,7 @@ def canonical_messages(messages: list[dict]) -> list[dict]:
                         arguments = json.loads(arguments)
                     except json.JSONDecodeError:
                         pass  # written as it came: the model sees what it (or the trace) wrote
-                if not isinstance(arguments, str):
-                    fn["arguments"] = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+                fn["arguments"] = arguments if arguments is not None else {}
                 calls.append({**call, "function": fn})
             message["tool_calls"] = calls
         out.append(message)
@@ -72,11 +107,11 @@ def canonical_messages(messages: list[dict]) -> list[dict]:
 
 
 def encode_conversation(tokenizer, messages: list[dict], tools: list[dict] | None,
-                        max_length: int) -> tuple[list[int], list[int]]:
+                        max_length: int, chat_template: str | None = None) -> tuple[list[int], list[int]]:
     """Token ids of a whole conversation and a mask that is 1 on assistant tokens only, cut to max_length."""
     out = tokenizer.apply_chat_template(canonical_messages(messages), tools=tools or None, tokenize=True,
                                         return_dict=True, return_assistant_tokens_mask=True,
-                                        chat_template=_masking_template(tokenizer))
+                                        chat_template=chat_template or _masking_template(tokenizer))
     input_ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
     if 1 not in mask:
         raise ValueError("the chat template marks no assistant tokens: it needs {% generation %} markers "
@@ -87,7 +122,7 @@ def encode_conversation(tokenizer, messages: list[dict], tools: list[dict] | Non
 def _masking_template(tokenizer) -> str | None:
     """None when the tokenizer's template marks assistant turns; else TRL's training variant, as SFT uses."""
     template = tokenizer.chat_template
-    if isinstance(template, str) and GENERATION_MARKER.search(template):
+    if has_generation_markers(template):
         return None
     from trl.chat_template_utils import get_training_chat_template  # only for templates without markers
 

@@ -1,17 +1,27 @@
-"""Distillation SFT: TRL's SFTTrainer on conversations, loss on assistant tokens only, resumable."""
+"""Distillation SFT: TRL's SFTTrainer on conversations, loss on assistant tokens only, resumable.
+
+The conversations are tokenised here, with the training template the student will ship (flywheel.train.templates)
+and the RL learner's encode_conversation, so SFT, RL and the harness see the same tokens; long ones are cut or
+dropped by sft.long_conversations and counted. Full fine-tuning or LoRA/QLoRA (peft); in this process or under
+`accelerate launch` (DDP/FSDP, flywheel.train.sft_launch).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flywheel.config import SFTConfig
-from flywheel.train.checkpoint import canonical_messages, load_student, save_student
+from flywheel.train.checkpoint import canonical_messages, encode_conversation, load_student, save_student
+from flywheel.train.templates import training_template
 
 FINGERPRINT = "flywheel-sft.json"
 
@@ -30,14 +40,15 @@ def sft_records(rows: list[dict]) -> list[dict]:
     return records
 
 
-def _fingerprint(base_dir: Path | str, records: list[dict], cfg: SFTConfig) -> str:
-    digest = hashlib.sha256(str(base_dir).encode())
+def _fingerprint(base_dir: Path | str, records: list[dict], cfg: SFTConfig, template: str) -> str:
+    digest = hashlib.sha256(str(base_dir).encode() + template.encode())
     if Path(base_dir).is_dir():  # the base's weights and config, not only its name: a rebuilt base is new
         for file in sorted(Path(base_dir).iterdir()):
             if file.name.endswith((".safetensors", ".json", ".jinja")):
                 digest.update(file.name.encode() + file.read_bytes())
     digest.update(json.dumps(records, sort_keys=True).encode())
-    digest.update(cfg.model_dump_json().encode())
+    # how the run is launched does not change what it computes: a DDP rerun may resume a single-process one
+    digest.update(cfg.model_dump_json(exclude={"launcher", "processes"}).encode())
     return digest.hexdigest()[:16]
 
 
@@ -71,26 +82,108 @@ def _quiet_progress():
             hf_logging.enable_progress_bar()
 
 
+
+@dataclass
+class Examples:
+    """Tokenised conversations (input_ids, labels) split into train and held-out, with what the length rule did."""
+
+    train: list[dict] = field(default_factory=list)
+    heldout: list[dict] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def is_heldout(record: dict, fraction: float) -> bool:
+    """Held out by a stable hash of the conversation's content, never by its position in the table."""
+    digest = hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=False).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def tokenize_records(tokenizer, records: list[dict], cfg: SFTConfig, chat_template: str) -> Examples:
+    """Token ids and assistant-only labels, the RL learner's tokenisation; long ones cut or dropped, counted."""
+    examples = Examples(counts={"conversations": len(records), "truncated": 0, "dropped_long": 0,
+                                "dropped_no_target": 0})
+    for i, record in enumerate(records):
+        try:
+            ids, mask = encode_conversation(tokenizer, record["messages"], json.loads(record["tools"]) or None,
+                                            max_length=1 << 30, chat_template=chat_template)
+        except ValueError as err:
+            raise ValueError(f"SFT row {i}: {err}") from err
+        if len(ids) > cfg.max_length:
+            if cfg.long_conversations == "drop":
+                examples.counts["dropped_long"] += 1
+                continue
+            examples.counts["truncated"] += 1
+            ids, mask = ids[:cfg.max_length], mask[:cfg.max_length]
+            if 1 not in mask:  # the cut left no assistant token: nothing to learn from it
+                examples.counts["dropped_no_target"] += 1
+                continue
+        example = {"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask, strict=True)]}
+        (examples.heldout if is_heldout(record, cfg.eval_fraction) else examples.train).append(example)
+    examples.counts |= {"train_examples": len(examples.train), "eval_examples": len(examples.heldout)}
+    if not examples.train:
+        raise ValueError(f"no SFT conversation left to train on: {examples.counts} (raise sft.max_length, or "
+                         "set sft.long_conversations: truncate)")
+    return examples
+
+
 def train_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTConfig,
-              on_log: Callable[[int, dict], None] | None = None) -> dict:
-    """Fine-tune the checkpoint in base_dir on rows of {messages, tools}; save to out_dir; return final metrics."""
+              on_log: Callable[[int, dict], None] | None = None, chat_template: str | Path | None = None,
+              accelerate_config: Path | None = None) -> dict:
+    """Fine-tune the checkpoint in base_dir on rows of {messages, tools}; save to out_dir; return final metrics.
+
+    chat_template: a .jinja file to train with (student.chat_template); accelerate_config: the file for
+    `accelerate launch` when cfg.launcher is not "single" (default infra/accelerate/<launcher>.yaml).
+    """
+    if cfg.launcher != "single":
+        return launch_sft(base_dir, rows, out_dir, cfg, on_log, chat_template, accelerate_config)
     out_dir = Path(out_dir)
     with _quiet_progress():
-        trainer, resume = build_sft_trainer(base_dir, rows, out_dir, cfg, on_log)
+        trainer, resume, counts = build_sft_trainer(base_dir, rows, out_dir, cfg, on_log, chat_template)
         started = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=resume)
         runtime = time.perf_counter() - started
-        save_student(trainer.model, trainer.processing_class, out_dir)
+        eval_loss = _final_eval_loss(trainer)
+        _save(trainer, out_dir, base_dir, cfg)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     tokens = trainer.state.num_input_tokens_seen - trainer.tokens_at_start
     return {"train_loss": float(result.training_loss), "final_loss": float(losses[-1]) if losses else None,
-            "steps": int(trainer.state.global_step), "runtime_s": runtime, "tokens": int(tokens),
-            "tokens_per_s": tokens / runtime if runtime > 0 else 0.0, "resumed_from": resume}
+            "eval_loss": eval_loss, "steps": int(trainer.state.global_step), "runtime_s": runtime,
+            "tokens": int(tokens), "tokens_per_s": tokens / runtime if runtime > 0 else 0.0,
+            "resumed_from": resume, "world_size": int(trainer.args.world_size), **counts}
+
+
+def _final_eval_loss(trainer) -> float | None:
+    """The held-out loss of the final weights: the last step's eval if it ran there, else one more eval."""
+    if trainer.eval_dataset is None:
+        return None
+    last = [e for e in trainer.state.log_history if "eval_loss" in e]
+    if last and last[-1]["step"] == trainer.state.global_step:
+        return float(last[-1]["eval_loss"])
+    return float(trainer.evaluate()["eval_loss"])
+
+
+def _save(trainer, out_dir: Path, base_dir: Path | str, cfg: SFTConfig) -> None:
+    """The student as cfg.lora.save says: a full checkpoint (merged) or the adapter naming its base."""
+    model, tokenizer = trainer.model, trainer.processing_class
+    if trainer.is_fsdp_enabled:  # shards gathered by the trainer; the tokenizer is written beside them
+        trainer.save_model(str(out_dir))
+        return
+    if not trainer.is_world_process_zero():
+        return
+    if cfg.lora is not None and cfg.lora.save == "merged":
+        if cfg.lora.quantize:  # merge into a full-precision base, never into the quantised one
+            from peft import PeftModel
+
+            adapter = out_dir.parent / "sft-adapter"
+            save_student(model, tokenizer, adapter)
+            model = PeftModel.from_pretrained(load_student(base_dir)[0], str(adapter))
+        model = model.merge_and_unload()
+    save_student(model, tokenizer, out_dir)
 
 
 def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTConfig,
-                      on_log: Callable[[int, dict], None] | None = None):
-    """The configured SFTTrainer (dataset tokenized, labels masked) and the checkpoint to resume from, if any."""
+                      on_log: Callable[[int, dict], None] | None = None, chat_template: str | Path | None = None):
+    """The configured SFTTrainer (dataset tokenized, labels masked), the checkpoint to resume from, and counts."""
     import datasets
     import torch
     from transformers import PrinterCallback, TrainerCallback
@@ -100,22 +193,31 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
     out_dir = Path(out_dir)
     if not rows:
         raise ValueError("train_sft got no rows: the synthetic dataset is empty")
-    model, tokenizer = load_student(base_dir)
+    model, tokenizer = load_student(base_dir, **_load_options(cfg))
+    template = training_template(tokenizer, str(base_dir), getattr(model.config, "model_type", None),
+                                 configured=chat_template)
+    # The student ships the template it was trained with: the harness then renders exactly these tokens.
+    tokenizer.chat_template = template
     records = sft_records(rows)
+    examples = tokenize_records(tokenizer, records, cfg, template)
     checkpoints = out_dir.parent / "sft-checkpoints"
-    resume = _resume_point(checkpoints, _fingerprint(base_dir, records, cfg))
+    resume = _resume_point(checkpoints, _fingerprint(base_dir, records, cfg, template))
+    heldout = bool(examples.heldout)
 
     args = TRLConfig(
         output_dir=str(checkpoints), max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
-        learning_rate=cfg.lr, lr_scheduler_type="cosine", warmup_steps=cfg.warmup_steps, seed=cfg.seed,
-        data_seed=cfg.seed, max_length=cfg.max_length, assistant_only_loss=True, packing=False,
+        per_device_eval_batch_size=cfg.batch_size, learning_rate=cfg.lr, lr_scheduler_type="cosine",
+        warmup_steps=cfg.warmup_steps, seed=cfg.seed, data_seed=cfg.seed, max_length=cfg.max_length,
+        # labels are built above (assistant tokens only), so TRL neither re-tokenises nor re-masks
+        assistant_only_loss=False, completion_only_loss=False, packing=False,
         # TRL's defaults are for GPUs: bf16 and activation checkpointing on. Off here (fp32).
         use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False, gradient_checkpointing=False,
         activation_checkpointing=False, logging_steps=cfg.log_every,
+        eval_strategy="steps" if heldout else "no", eval_steps=cfg.eval_every,
         # About five checkpoints a run, at most 100 steps apart: a killed run loses little.
         save_strategy="steps", save_steps=max(1, min(100, cfg.steps // 5)), save_total_limit=2,
         report_to="none", disable_tqdm=True, include_num_input_tokens_seen="non_padding",
-        dataloader_num_workers=0,
+        dataloader_num_workers=0, ddp_find_unused_parameters=False,
     )
 
     class Forward(TrainerCallback):
@@ -129,7 +231,11 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
             trainer.tokens_at_start = state.num_input_tokens_seen
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if on_log is None or not logs or "loss" not in logs:
+            if on_log is None or not logs or not state.is_world_process_zero:
+                return
+            if "eval_loss" in logs:
+                on_log(state.global_step, {"eval_loss": float(logs["eval_loss"])})
+            if "loss" not in logs:
                 return
             now, tokens = time.perf_counter(), state.num_input_tokens_seen
             metrics = {"loss": logs["loss"], "learning_rate": logs.get("learning_rate", 0.0),
@@ -139,8 +245,97 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
             self.last = (now, tokens)
             on_log(state.global_step, {k: float(v) for k, v in metrics.items()})
 
-    trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
-                         processing_class=tokenizer, callbacks=[Forward()])
+    trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(examples.train),
+                         eval_dataset=datasets.Dataset.from_list(examples.heldout) if heldout else None,
+                         processing_class=tokenizer, callbacks=[Forward()], peft_config=_peft_config(cfg))
     trainer.tokens_at_start = 0
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; on_log is the one outlet
-    return trainer, resume
+    return trainer, resume, examples.counts
+
+
+def _load_options(cfg: SFTConfig) -> dict:
+    """from_pretrained options: a quantised base for QLoRA (CUDA and bitsandbytes only)."""
+    if cfg.lora is None or cfg.lora.quantize is None:
+        return {}
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None:
+        raise RuntimeError(f"sft.lora.quantize: {cfg.lora.quantize} (QLoRA) needs a CUDA GPU and the "
+                           "bitsandbytes package (the `gpu` extra); on this machine use sft.lora.quantize: null "
+                           "(plain LoRA) or full fine-tuning (sft.lora: null)")
+    from transformers import BitsAndBytesConfig
+
+    if cfg.lora.quantize == "4bit":
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True)
+    else:
+        quantization = BitsAndBytesConfig(load_in_8bit=True)
+    return {"model_kwargs": {"quantization_config": quantization, "device_map": {"": 0}}}
+
+
+def _peft_config(cfg: SFTConfig):
+    if cfg.lora is None:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
+
+
+def launch_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTConfig,
+               on_log: Callable[[int, dict], None] | None = None, chat_template: str | Path | None = None,
+               accelerate_config: Path | None = None) -> dict:
+    """Run train_sft under `accelerate launch` (DDP or FSDP); per-step metrics stream back to on_log."""
+    from flywheel.train.sft_launch import JOB_LOG, JOB_RESULT, write_job
+
+    out_dir = Path(out_dir)
+    config = Path(accelerate_config or Path("infra/accelerate") / f"{cfg.launcher}.yaml")
+    if not config.is_file():
+        raise FileNotFoundError(f"sft.launcher: {cfg.launcher} needs the accelerate config {config} "
+                                "(infra/accelerate/ddp.yaml and fsdp.yaml ship with the project)")
+    # Checkpoints of other inputs are cleared here, once: every rank clearing them itself would race.
+    _resume_point(out_dir.parent / "sft-checkpoints",
+                  _fingerprint(base_dir, sft_records(rows), cfg, _template_of(base_dir, chat_template)))
+    job = write_job(out_dir.parent / "sft-job", base_dir, rows, out_dir,
+                    cfg.model_copy(update={"launcher": "single"}), chat_template)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--num_processes", str(cfg.processes), "-m", "flywheel.train.sft_launch", str(job)]
+    log = job.parent / JOB_LOG
+    seen = 0
+    with subprocess.Popen(command) as process:
+        while True:
+            done = process.poll() is not None
+            seen = _forward(log, seen, on_log)
+            if done:
+                break
+            time.sleep(0.5)
+    if process.returncode != 0:
+        raise RuntimeError(f"`{' '.join(command)}` exited with {process.returncode} (its output is above); the "
+                           "checkpoints are kept, so a rerun resumes")
+    return json.loads((job.parent / JOB_RESULT).read_text())
+
+
+def _template_of(base_dir: Path | str, chat_template: str | Path | None) -> str:
+    """The training template build_sft_trainer will choose, from the tokenizer and config alone (no weights)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir), trust_remote_code=False)
+    model_type = getattr(AutoConfig.from_pretrained(str(base_dir), trust_remote_code=False), "model_type", None)
+    return training_template(tokenizer, str(base_dir), model_type, configured=chat_template)
+
+
+def _forward(log: Path, seen: int, on_log: Callable[[int, dict], None] | None) -> int:
+    """Pass the complete lines the training processes appended since `seen` bytes; return the new offset."""
+    if not log.exists():
+        return seen
+    with log.open("rb") as f:
+        f.seek(seen)
+        chunk = f.read()
+    complete = chunk[:chunk.rfind(b"\n") + 1]
+    for line in complete.decode().splitlines():
+        entry = json.loads(line)
+        if on_log is not None:
+            on_log(entry["step"], entry["metrics"])
+    return seen + len(complete)

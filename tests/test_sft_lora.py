@@ -1,0 +1,63 @@
+"""LoRA through peft: train, merge for registration or keep the adapter naming its base; both load back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from family_students import calculator_rows
+
+from flywheel.config import LoRAConfig, SFTConfig
+from flywheel.train.checkpoint import adapter_base, load_student
+from flywheel.train.sft import train_sft
+
+
+def lora_cfg(save: str, quantize: str | None = None) -> SFTConfig:
+    return SFTConfig(steps=6, batch_size=8, lr=5e-3, warmup_steps=1, max_length=128, eval_fraction=0.0,
+                     log_every=1, lora=LoRAConfig(r=4, alpha=8, save=save, quantize=quantize))
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return calculator_rows(32)
+
+
+def test_lora_merged_is_a_plain_checkpoint_that_learned(tiny_student, rows, tmp_path):
+    base, _ = load_student(tiny_student)
+    metrics = train_sft(tiny_student, rows, tmp_path / "sft", lora_cfg("merged"))
+    assert metrics["steps"] == 6
+    assert not (tmp_path / "sft" / "adapter_config.json").exists()
+    model, tokenizer = load_student(tmp_path / "sft")
+    assert type(model).__name__ == type(base).__name__  # merged: no peft wrapper left
+    tuned = dict(model.named_parameters())
+    changed = [name for name, p in base.named_parameters() if not torch.equal(p, tuned[name])]
+    # LoRA adapts the linear layers only: embeddings and norms stay the base's
+    assert changed and all("proj" in name for name in changed)
+
+
+def test_lora_adapter_loads_over_its_named_base_trainable(tiny_student, rows, tmp_path):
+    train_sft(tiny_student, rows, tmp_path / "sft", lora_cfg("adapter"))
+    folder = tmp_path / "sft"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert adapter_base(folder) == config["base_model_name_or_path"] == str(tiny_student)
+    assert adapter_base(tiny_student) is None
+    model, tokenizer = load_student(folder)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)  # RL trains the adapter, the base is frozen
+    ids = tokenizer("<|im_start|>user\n2+2<|im_end|>\n", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert ids["input_ids"].shape[1] < out.shape[1] <= ids["input_ids"].shape[1] + 3  # eval generates through it
+    # the adapter's merged weights equal what `merged` would have saved from the same run
+    merged = model.merge_and_unload()
+    again = train_sft(tiny_student, rows, tmp_path / "merged", lora_cfg("merged"))
+    assert again["resumed_from"] is None
+    reference = dict(load_student(tmp_path / "merged")[0].named_parameters())
+    for name, p in merged.named_parameters():
+        assert torch.allclose(p, reference[name], atol=1e-6), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal; on a GPU QLoRA would run")
+def test_qlora_on_cpu_is_a_clear_error(tiny_student, rows, tmp_path):
+    with pytest.raises(RuntimeError, match="QLoRA\\) needs a CUDA GPU and the bitsandbytes"):
+        train_sft(tiny_student, rows, tmp_path / "sft", lora_cfg("merged", quantize="4bit"))

@@ -1,0 +1,49 @@
+"""A SIGKILLed SFT run resumes from its last checkpoint to the same final weights as an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from family_students import calculator_rows
+
+from flywheel.config import SFTConfig
+from flywheel.train.checkpoint import load_student
+from flywheel.train.sft import train_sft
+from flywheel.train.sft_launch import write_job
+
+# 200 steps saving every 40: the kill lands mid-run with a checkpoint on disk.
+CFG = SFTConfig(steps=200, batch_size=8, lr=3e-3, warmup_steps=5, max_length=128, eval_fraction=0.1, eval_every=50,
+                log_every=10)
+
+
+def test_a_killed_run_resumes_to_the_same_weights(tiny_student, tmp_path):
+    rows = calculator_rows(64)
+    straight = train_sft(tiny_student, rows, tmp_path / "straight" / "sft", CFG)
+
+    job = write_job(tmp_path / "killed" / "job", tiny_student, rows, tmp_path / "killed" / "sft", CFG)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen([sys.executable, "-m", "flywheel.train.sft_launch", str(job)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = tmp_path / "killed" / "sft-checkpoints"
+    deadline = time.monotonic() + 120
+    while not any(checkpoints.glob("checkpoint-*/trainer_state.json")):  # written last: the checkpoint is whole
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before any checkpoint"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL and not (tmp_path / "killed" / "sft").exists()
+
+    resumed = train_sft(tiny_student, rows, tmp_path / "killed" / "sft", CFG)
+    assert resumed["resumed_from"] and resumed["steps"] == 200
+    assert int(resumed["resumed_from"].rsplit("-", 1)[1]) < 200
+    a = dict(load_student(tmp_path / "straight" / "sft")[0].named_parameters())
+    b = dict(load_student(tmp_path / "killed" / "sft")[0].named_parameters())
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-6), name
+    assert abs(resumed["eval_loss"] - straight["eval_loss"]) < 1e-5
