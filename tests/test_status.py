@@ -73,10 +73,17 @@ def test_without_a_deployment_or_an_api_status_says_what_pipelines_yaml_says(pre
 
 
 def test_status_of_a_pipeline_that_never_ran(project, prefect_server):
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
     from typer.testing import CliRunner
 
     from flywheel.cli import app
 
+    with get_client(sync_client=True) as client:  # the session's server may hold one from another test
+        try:
+            client.delete_deployment(client.read_deployment_by_name("retrain/small").id)
+        except ObjectNotFound:
+            pass
     shown = CliRunner().invoke(app, ["status", "small", "--root", str(project)])
     assert shown.exit_code == 0, shown.output
     assert "no registered version yet" in shown.output and "no retrain runs yet" in shown.output
