@@ -107,13 +107,15 @@ def test_an_unreachable_bucket_is_a_clear_error(s3_bucket, tmp_path):
 # ---- MLflow Tracing -------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def traced_agent(mlflow_store, monkeypatch):
+def traced_agent(mlflow_store, monkeypatch, tmp_path):
     """A scripted tool-using agent whose runs MLflow Tracing records in the experiment 'support-agent'."""
     import mlflow
     from mlflow import MlflowClient
     from mlflow.entities import SpanType
 
-    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", MlflowClient().create_experiment("support-agent"))
+    # trace artifacts under tmp_path, not ./mlruns in whatever folder the tests run from
+    experiment = MlflowClient().create_experiment("support-agent", artifact_location=str(tmp_path / "artifacts"))
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", experiment)
     mlflow.tracing.reset()
     env = CalculatorEnv()
 
