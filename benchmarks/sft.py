@@ -1,9 +1,10 @@
 """The SFT stage's own overhead: train_sft against a bare TRL SFTTrainer script, same model, data and steps.
 
-    .venv/bin/python benchmarks/sft.py [--steps 60] [--conversations 500] [--repeats 2]
+    .venv/bin/python benchmarks/sft.py [--steps 60] [--conversations 500] [--repeats 4]
 
 Builds the demo's tiny student (pipelines.yaml's student.tiny) on oracle calculator conversations, then times,
-alternating and keeping each one's best, (a) flywheel.train.sft.train_sft (template resolution, pre-tokenised
+alternating and keeping each one's best (the process's first run also pays one-time warm-up, so each
+side needs a second run at least), (a) flywheel.train.sft.train_sft (template resolution, pre-tokenised
 assistant-only labels, length rule, resume fingerprint, checkpoints, per-step callback, save) and (b) the
 smallest TRL script that trains the same thing (assistant_only_loss on the messages, no checkpoints). Both are
 timed end to end, loading to saved model, and count the same non-padding tokens. The held-out eval is off in
@@ -66,7 +67,7 @@ def main() -> None:
     parser.add_argument("--pipeline", default="demo")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--conversations", type=int, default=500)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
 
     cfg = load_pipeline(args.pipeline, ROOT / "pipelines.yaml")
