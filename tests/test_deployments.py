@@ -246,3 +246,18 @@ def test_flywheel_serve_runs_the_schedules_on_its_own_server(project, tmp_path):
             os.killpg(serving.pid, signal.SIGKILL)
             serving.wait()
     assert "Completed" in str(completed[0].state)
+
+
+def test_retrain_with_stage_jobs_says_what_is_missing(project, prefect_server):
+    """Job per stage without the `stage/<pipeline>` deployment, or without a stage's variables: a clear error."""
+    from flows.deployments import stage_job_variables
+    from flows.retrain import retrain
+
+    stage_jobs = stage_job_variables(REPO / "infra/k8s/stages.json")
+    with pytest.raises(ValueError, match=r"stage_jobs has no job variables for \['register'\]"):
+        retrain(pipeline="small", root=str(project), stage_jobs={k: v for k, v in stage_jobs.items()
+                                                                 if k != "register"})
+    with pytest.raises(RuntimeError, match=r"no deployment 'stage/small': deploy it with `flywheel deploy --pool "
+                                           r"POOL --job-per-stage`"):
+        retrain(pipeline="small", root=str(project), stage_jobs=stage_jobs)
+    assert not (project / "data/small/collect").exists(), "nothing ran"
