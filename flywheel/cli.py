@@ -329,6 +329,9 @@ def deploy(pool: str = typer.Option(..., "--pool", help="Work pool on the Prefec
             stage_jobs = deployments.stage_job_variables(stage_variables or root / "infra/k8s/stages.json")
         except deployments.DeployError as err:
             _fail(str(err))
+        if not results:
+            typer.echo("note: the retrain flow reads each stage job's result from Prefect's result storage; with "
+                       "jobs on more than one machine, share it with --results s3://... (see infra/README.md)")
     wanted = _planned(root, stage_jobs)
     os.chdir(root)  # the flows are loaded from the project's files, whose imports resolve from its root
     if results:
