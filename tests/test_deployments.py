@@ -253,11 +253,13 @@ def test_retrain_with_stage_jobs_says_what_is_missing(project, prefect_server):
     from flows.deployments import stage_job_variables
     from flows.retrain import retrain
 
+    # its own pipeline name: the session's Prefect server is shared, and other tests expect no runs of `small`
+    (project / "pipelines.yaml").write_text(SMALL_PIPELINE.replace("  small:", "  lonely:"))
     stage_jobs = stage_job_variables(REPO / "infra/k8s/stages.json")
     with pytest.raises(ValueError, match=r"stage_jobs has no job variables for \['register'\]"):
-        retrain(pipeline="small", root=str(project), stage_jobs={k: v for k, v in stage_jobs.items()
-                                                                 if k != "register"})
-    with pytest.raises(RuntimeError, match=r"no deployment 'stage/small': deploy it with `flywheel deploy --pool "
+        retrain(pipeline="lonely", root=str(project), stage_jobs={k: v for k, v in stage_jobs.items()
+                                                                  if k != "register"})
+    with pytest.raises(RuntimeError, match=r"no deployment 'stage/lonely': deploy it with `flywheel deploy --pool "
                                            r"POOL --job-per-stage`"):
-        retrain(pipeline="small", root=str(project), stage_jobs=stage_jobs)
-    assert not (project / "data/small/collect").exists(), "nothing ran"
+        retrain(pipeline="lonely", root=str(project), stage_jobs=stage_jobs)
+    assert not (project / "data/lonely/collect").exists(), "nothing ran"
