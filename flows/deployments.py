@@ -1,19 +1,21 @@
 """Deployments from pipelines.yaml: the retrain flow on each pipeline's schedule, the sensor on its trigger.
 
 Names (what `flywheel status` and the sensor look up): the retrain deployment of pipeline P is `retrain/P`, its
-sensor `watch-traces/P`. Every deployment made here is tagged `flywheel`; a redeploy reconciles the server to
-the file: schedules are set to exactly what the file says, and flywheel deployments of pipelines that no longer
-have a schedule or trigger are deleted.
+sensor `watch-traces/P`; deployed with job-per-stage, `stage/P` runs one stage of P as its own job. Every
+deployment made here is tagged `flywheel`; a redeploy reconciles the server to the file: schedules are set to
+exactly what the file says, and flywheel deployments the file no longer asks for are deleted.
 
 - `serve(root)`: one process serves every deployment (Prefect's `serve`), on a real server: the ephemeral one
   has no scheduler, so `local_server` starts `prefect server start` under `.flywheel/prefect` when no
   PREFECT_API_URL is set.
 - `deploy(root, pool)`: deployments on a work pool of a real server, code from the project root
-  (`flow.from_source(root, ...)`; a process worker runs them in that folder).
+  (`flow.from_source(root, ...)`; a process worker runs them in that folder). With `stage_jobs` (from
+  infra/k8s/stages.json) `retrain/P` starts each stage as a `stage/P` flow run with that stage's job variables.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -30,10 +32,12 @@ from flywheel.config import PipelineConfig
 
 RETRAIN_FLOW = "retrain"
 SENSOR_FLOW = "watch-traces"
+STAGE_FLOW = "stage"
 TAG = "flywheel"
 RESULTS_BLOCK = "flywheel-results"  # the RemoteFileSystem block that holds Prefect results on S3
 
-_ENTRYPOINTS = {RETRAIN_FLOW: "flows/retrain.py:retrain", SENSOR_FLOW: "flows/sensor.py:watch_traces"}
+_ENTRYPOINTS = {RETRAIN_FLOW: "flows/retrain.py:retrain", SENSOR_FLOW: "flows/sensor.py:watch_traces",
+                STAGE_FLOW: "flows/stage.py:stage"}
 
 
 def retrain_deployment(pipeline: str) -> str:
@@ -44,6 +48,27 @@ def retrain_deployment(pipeline: str) -> str:
 def sensor_deployment(pipeline: str) -> str:
     """The full name of a pipeline's trigger sensor deployment: `watch-traces/<pipeline>`."""
     return f"{SENSOR_FLOW}/{pipeline}"
+
+
+def stage_deployment(pipeline: str) -> str:
+    """The full name of the deployment that runs one stage of a pipeline as its own job: `stage/<pipeline>`."""
+    return f"{STAGE_FLOW}/{pipeline}"
+
+
+def stage_job_variables(path: Path) -> dict[str, dict]:
+    """Each stage's job variables from a file like infra/k8s/stages.json (keys other than stages are left out)."""
+    from tasks.spec import ORDER
+
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise DeployError(f"{path}: cannot read the per-stage job variables ({err}); see infra/k8s/stages.json") \
+            from None
+    missing = [name for name in ORDER if not isinstance(found, dict) or not isinstance(found.get(name), dict)]
+    if missing:
+        raise DeployError(f"{path}: no job variables (an object) for stage(s) {', '.join(missing)}; give every "
+                          f"stage of {', '.join(ORDER)} one ({{}} for the pool's defaults)")
+    return {name: found[name] for name in ORDER}
 
 
 @dataclass(frozen=True)
@@ -70,14 +95,21 @@ class Planned:
         return []
 
 
-def plan(pipelines: dict[str, PipelineConfig], root: Path) -> list[Planned]:
-    """What pipelines.yaml asks for: retrain/P if P has a schedule or a trigger, watch-traces/P if a trigger."""
+def plan(pipelines: dict[str, PipelineConfig], root: Path, stage_jobs: dict[str, dict] | None = None
+         ) -> list[Planned]:
+    """What pipelines.yaml asks for: retrain/P if P has a schedule or a trigger, watch-traces/P if a trigger.
+
+    With `stage_jobs` (stage -> job variables) retrain/P gets them as a parameter and stage/P is planned too.
+    """
     wanted = []
     for name, cfg in sorted(pipelines.items()):
         parameters = {"pipeline": name, "root": str(root)}
         if cfg.schedule or cfg.trigger:
             cron = (cfg.schedule.cron, cfg.schedule.timezone) if cfg.schedule else None
-            wanted.append(Planned(RETRAIN_FLOW, name, cron=cron, parameters=parameters))
+            retrain_parameters = parameters | ({"stage_jobs": stage_jobs} if stage_jobs else {})
+            wanted.append(Planned(RETRAIN_FLOW, name, cron=cron, parameters=retrain_parameters))
+            if stage_jobs:
+                wanted.append(Planned(STAGE_FLOW, name, parameters=parameters))
         if cfg.trigger:
             wanted.append(Planned(SENSOR_FLOW, name, every_s=cfg.trigger.every_s, parameters=parameters))
     return wanted
@@ -88,6 +120,10 @@ def _flow(name: str):
         from flows.retrain import retrain
 
         return retrain
+    if name == STAGE_FLOW:
+        from flows.stage import stage
+
+        return stage
     from flows.sensor import watch_traces
 
     return watch_traces
@@ -131,11 +167,11 @@ def reconcile(wanted: list[Planned], pool: str | None, root: Path) -> dict:
 
     by_name = {p.full_name: p for p in wanted}
     report = {"kept": [], "deleted": [], "schedules": {}}
+    ours = FlowFilter(name=FlowFilterName(any_=[RETRAIN_FLOW, SENSOR_FLOW, STAGE_FLOW]))
     with get_client(sync_client=True) as client:
-        flows = {f.id: f.name for f in client.read_flows(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=[RETRAIN_FLOW, SENSOR_FLOW])))}
+        flows = {f.id: f.name for f in client.read_flows(flow_filter=ours)}
         found = client.read_deployments(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=[RETRAIN_FLOW, SENSOR_FLOW])),
+            flow_filter=ours,
             deployment_filter=DeploymentFilter(tags=DeploymentFilterTags(all_=[TAG])))
         for deployment in found:
             full_name = f"{flows[deployment.flow_id]}/{deployment.name}"

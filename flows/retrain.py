@@ -7,31 +7,31 @@ from pathlib import Path
 
 from prefect import flow, runtime
 
+from flows.stage import STAGE_TASKS, run_as_job, run_here
 from flywheel import registry
 from flywheel.config import load_pipeline
 from flywheel.data import dvc
-from tasks.collect import collect
-from tasks.evaluate import evaluate
-from tasks.register import register
-from tasks.rl import rl
-from tasks.sft import sft
 from tasks.spec import ORDER, STAGES, output_hashes
-from tasks.synthesize import synthesize
 
-STAGE_TASKS = {"collect": collect, "synthesize": synthesize, "sft": sft, "rl": rl, "evaluate": evaluate,
-               "register": register}
+__all__ = ["STAGE_TASKS", "retrain"]  # STAGE_TASKS: `flywheel stage` finds the stages here
 
 
 @flow(name="retrain", log_prints=False)
 def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push: bool = True,
-            restored: list[str] | None = None, tags: dict[str, str] | None = None, promote: bool = True) -> dict:
+            restored: list[str] | None = None, tags: dict[str, str] | None = None, promote: bool = True,
+            stage_jobs: dict[str, dict] | None = None) -> dict:
     """Run every stage of the pipeline; unchanged stages come from Prefect's cache and are not run again.
 
     `restored` stages are not run: their outputs were checked out from DVC (a rerun). `tags` go on the
     pipeline run and the registered version; `promote=False` registers without offering champion to the gate.
+    `stage_jobs` (stage -> job variables) runs each stage as its own `stage/<pipeline>` flow run, i.e. its own
+    job on the pool (a GPU only where a stage needs one); unset, every stage runs in this flow run.
     """
     root_path = Path(root).resolve()
     cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")  # a bad config fails here, before any work
+    if stage_jobs is not None and set(ORDER) - set(stage_jobs):
+        raise ValueError(f"stage_jobs has no job variables for {sorted(set(ORDER) - set(stage_jobs))}: give "
+                         "every stage its own ({} for the pool's defaults)")
     use_dvc = dvc.is_repo(root_path)
     flow_run_id = str(runtime.flow_run.id or "")
     restored = list(restored or [])
@@ -39,6 +39,12 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
         "prefect.flow_run_id": flow_run_id, "flywheel.refresh": refresh,
         "git.dirty": registry.git_dirty(root_path), **(tags or {})})
     registry.record_config(parent, pipeline, cfg.model_dump(mode="json"))
+
+    def run_stage(name: str, kwargs: dict, refresh_cache: bool) -> tuple[dict, bool]:
+        if stage_jobs is None:
+            return run_here(name, kwargs, refresh_cache)
+        return run_as_job(name, kwargs, refresh_cache, job_variables=stage_jobs[name])
+
     results: dict[str, dict] = {}
     ran: list[str] = []
     try:
@@ -50,8 +56,6 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
                 print(f"[{number}/{len(ORDER)}] {name} restored from DVC, not run", flush=True)
                 continue
             outputs_missing = not all(p.exists() for p in STAGES[name].out_paths(root_path, pipeline))
-            stage_task = STAGE_TASKS[name].with_options(refresh_cache=True) if refresh or outputs_missing \
-                else STAGE_TASKS[name]
             kwargs = {"pipeline": pipeline, "root": str(root_path), "parent_run_id": parent.run_id}
             if name == "register":
                 kwargs["promote"] = promote
@@ -59,15 +63,12 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
                                      **_data_lineage(root_path, pipeline), **(tags or {})}
                 parent.tags({k: v for k, v in kwargs["lineage"].items() if k.startswith("flywheel.dvc.")})
             print(f"[{number}/{len(ORDER)}] {name} ...", flush=True)
-            state = stage_task(**kwargs, return_state=True)
-            result = state.result()  # raises the stage's own error if it failed
-            cached = state.name == "Cached"
+            result, cached = run_stage(name, kwargs, refresh_cache=refresh or outputs_missing)
             if cached and result["outputs"] != output_hashes(name, pipeline, root_path):
                 # the cache is right about the inputs, but the workspace holds other outputs (another config's
                 # run, a manual edit): make them again rather than hand stale files downstream
                 print(f"[{number}/{len(ORDER)}] {name}: outputs on disk differ from the cached run's; rerunning")
-                state = STAGE_TASKS[name].with_options(refresh_cache=True)(**kwargs, return_state=True)
-                result, cached = state.result(), False
+                result, cached = run_stage(name, kwargs, refresh_cache=True)
             if use_dvc and (not cached or not dvc.lock_hashes(root_path, name, pipeline)):
                 dvc.commit(root_path, name, pipeline)
             if not cached:

@@ -239,13 +239,16 @@ def check(root: Path = ROOT) -> None:
 
 RESULTS = typer.Option(None, "--results", envvar="FLYWHEEL_RESULTS_URL",
                        help="Keep Prefect results (the stage caches) here, e.g. s3://bucket/prefect-results.")
+STAGE_VARIABLES = typer.Option(
+    None, "--stage-variables",
+    help="Job variables per stage, for --job-per-stage (default: <root>/infra/k8s/stages.json).")
 
 
-def _planned(root: Path) -> list:
+def _planned(root: Path, stage_jobs: dict | None = None) -> list:
     from flows.deployments import plan
     from flywheel.config import load_pipelines
 
-    wanted = plan(load_pipelines(root / "pipelines.yaml"), root)
+    wanted = plan(load_pipelines(root / "pipelines.yaml"), root, stage_jobs=stage_jobs)
     if not wanted:
         _fail(f"{root / 'pipelines.yaml'}: no pipeline has a `schedule` or a `trigger`, so there is nothing to "
               "deploy; add e.g. `schedule: {cron: \"0 3 * * 1\", timezone: UTC}` to a pipeline")
@@ -300,8 +303,12 @@ def serve(root: Path = ROOT, results: str | None = RESULTS,
 def deploy(pool: str = typer.Option(..., "--pool", help="Work pool on the Prefect server (PREFECT_API_URL)."),
            root: Path = ROOT, results: str | None = RESULTS,
            job_variables: str | None = typer.Option(None, "--job-variables",
-                                                    help='JSON for the pool\'s job template, e.g. \'{"gpus": 1}\'.')
-           ) -> None:
+                                                    help='JSON for the pool\'s job template, e.g. \'{"gpus": 1}\'.'),
+           job_per_stage: bool = typer.Option(
+               False, "--job-per-stage", help="Run each stage as its own job (flow run of stage/<pipeline>) with "
+               "its job variables from --stage-variables: a GPU only for the stages that need one. The jobs "
+               "share the project folder: see infra/README.md."),
+           stage_variables: Path | None = STAGE_VARIABLES) -> None:
     """Create or update the deployments on a work pool; schedules end up exactly as pipelines.yaml says."""
     import json
 
@@ -316,7 +323,16 @@ def deploy(pool: str = typer.Option(..., "--pool", help="Work pool on the Prefec
         variables = json.loads(job_variables) if job_variables else None
     except json.JSONDecodeError as err:
         _fail(f"--job-variables is not JSON: {err}")
-    wanted = _planned(root)
+    stage_jobs = None
+    if job_per_stage:
+        try:
+            stage_jobs = deployments.stage_job_variables(stage_variables or root / "infra/k8s/stages.json")
+        except deployments.DeployError as err:
+            _fail(str(err))
+        if not results:
+            typer.echo("note: the retrain flow reads each stage job's result from Prefect's result storage; with "
+                       "jobs on more than one machine, share it with --results s3://... (see infra/README.md)")
+    wanted = _planned(root, stage_jobs)
     os.chdir(root)  # the flows are loaded from the project's files, whose imports resolve from its root
     if results:
         typer.echo(f"Prefect results in {results} ({deployments.use_result_storage(results)}); S3 settings: "

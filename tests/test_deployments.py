@@ -63,11 +63,25 @@ def test_plan_follows_the_file(tmp_path):
     assert wanted["retrain/a"].parameters == {"pipeline": "a", "root": str(tmp_path)}
 
 
+def test_stage_job_variables_come_from_stages_json_and_name_what_is_missing(tmp_path):
+    import json
+
+    from flows.deployments import DeployError, stage_job_variables
+    from tasks.spec import ORDER
+
+    jobs = stage_job_variables(REPO / "infra/k8s/stages.json")
+    assert list(jobs) == list(ORDER), "stages only, in order; `retrain` and `_comment` are not stages"
+    assert {name for name, variables in jobs.items() if variables.get("gpus")} == {"sft", "rl", "evaluate"}
+    (tmp_path / "stages.json").write_text(json.dumps({k: v for k, v in jobs.items() if k != "rl"}))
+    with pytest.raises(DeployError, match=r"stages.json: no job variables \(an object\) for stage\(s\) rl"):
+        stage_job_variables(tmp_path / "stages.json")
+
+
 def test_redeploy_reconciles_schedules_and_deployments(tmp_path, prefect_server):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
 
-    from flows.deployments import deploy, plan, reconcile, runner_deployments
+    from flows.deployments import deploy, plan, reconcile, runner_deployments, stage_deployment, stage_job_variables
     from flywheel.config import load_pipelines
 
     root = tmp_path / "project"
@@ -104,6 +118,25 @@ def test_redeploy_reconciles_schedules_and_deployments(tmp_path, prefect_server)
     assert redeploy({"a": {"schedule": {"cron": "30 5 * * *", "timezone": "Europe/Berlin"}}})["deleted"] == []
     assert _state(POOL) == {"retrain/a": ["cron 30 5 * * * Europe/Berlin"]}
 
+    # job per stage: retrain/a gets the per-stage job variables as a parameter and stage/a is deployed beside it
+    _write(root, {"a": {"schedule": {"cron": "30 5 * * *", "timezone": "Europe/Berlin"}}})
+    stage_jobs = stage_job_variables(REPO / "infra/k8s/stages.json")
+    assert deploy(root, POOL, plan(load_pipelines(root / "pipelines.yaml"), root, stage_jobs=stage_jobs)) == {
+        "kept": ["retrain/a", "stage/a"], "deleted": [],
+        "schedules": {"retrain/a": ["cron 30 5 * * * Europe/Berlin"], "stage/a": []}}
+    assert _state(POOL) == {"retrain/a": ["cron 30 5 * * * Europe/Berlin"], "stage/a": []}
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name(stage_deployment("a"))
+        assert client.read_deployment_by_name("retrain/a").parameters["stage_jobs"] == stage_jobs
+    assert deployment.entrypoint == "flows/stage.py:stage"
+    assert deployment.parameters == {"pipeline": "a", "root": str(root)}
+    # deployed again without it: stage/a goes, retrain/a runs every stage in its own flow run again
+    report = redeploy({"a": {"schedule": {"cron": "30 5 * * *", "timezone": "Europe/Berlin"}}})
+    assert report["deleted"] == ["stage/a"]
+    assert _state(POOL) == {"retrain/a": ["cron 30 5 * * * Europe/Berlin"]}
+    with get_client(sync_client=True) as client:
+        assert "stage_jobs" not in client.read_deployment_by_name("retrain/a").parameters
+
     # `flywheel serve` registers the same plan as served deployments; the pool's are left alone
     _write(root, {"c": {"trigger": {"min_new_traces": 5}}})
     wanted = plan(load_pipelines(root / "pipelines.yaml"), root)
@@ -131,6 +164,16 @@ def test_k8s_job_template_requests_gpus_for_model_stages_only():
         job = apply_values(template["job_configuration"], {**defaults, **stages[stage], "name": f"small-{stage}"})
         return job["job_manifest"]["spec"]["template"]["spec"]
 
+    for stage in (*ORDER, "retrain", "watch-traces"):
+        # every job mounts the project volume at the same path: per-stage jobs hand their outputs on through it
+        spec = pod(stage)
+        assert {"name": "project", "persistentVolumeClaim": {"claimName": "flywheel-project"}} in spec["volumes"]
+        assert {"name": "project", "mountPath": "/project"} in spec["containers"][0]["volumeMounts"]
+    spec = apply_values(template["job_configuration"], {**defaults, **stages["sft"], "name": "small-sft",
+                                                        "project_volume_claim": "team-rwx", "project_path": "/work"}
+                        )["job_manifest"]["spec"]["template"]["spec"]
+    assert {"name": "project", "persistentVolumeClaim": {"claimName": "team-rwx"}} in spec["volumes"]
+    assert {"name": "project", "mountPath": "/work"} in spec["containers"][0]["volumeMounts"]
     for stage in ("sft", "rl", "evaluate", "retrain"):
         spec = pod(stage)
         assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1, stage
@@ -203,3 +246,20 @@ def test_flywheel_serve_runs_the_schedules_on_its_own_server(project, tmp_path):
             os.killpg(serving.pid, signal.SIGKILL)
             serving.wait()
     assert "Completed" in str(completed[0].state)
+
+
+def test_retrain_with_stage_jobs_says_what_is_missing(project, prefect_server):
+    """Job per stage without the `stage/<pipeline>` deployment, or without a stage's variables: a clear error."""
+    from flows.deployments import stage_job_variables
+    from flows.retrain import retrain
+
+    # its own pipeline name: the session's Prefect server is shared, and other tests expect no runs of `small`
+    (project / "pipelines.yaml").write_text(SMALL_PIPELINE.replace("  small:", "  lonely:"))
+    stage_jobs = stage_job_variables(REPO / "infra/k8s/stages.json")
+    with pytest.raises(ValueError, match=r"stage_jobs has no job variables for \['register'\]"):
+        retrain(pipeline="lonely", root=str(project), stage_jobs={k: v for k, v in stage_jobs.items()
+                                                                  if k != "register"})
+    with pytest.raises(RuntimeError, match=r"no deployment 'stage/lonely': deploy it with `flywheel deploy --pool "
+                                           r"POOL --job-per-stage`"):
+        retrain(pipeline="lonely", root=str(project), stage_jobs=stage_jobs)
+    assert not (project / "data/lonely/collect").exists(), "nothing ran"

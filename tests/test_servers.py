@@ -1,9 +1,10 @@
 """Like a company runs it: a Prefect server, an MLflow server with S3 artifacts, a DVC S3 remote, a process worker.
 
 Every server is a real process on loopback started by the fixtures; S3 is moto's server. The small pipeline is
-deployed with `flywheel deploy`, its sensor finds the example traces new and starts `retrain/small`, which the
-worker runs; then the artifacts are in S3, a fresh clone's `dvc pull` restores the datasets and the champion
-loads from the registry.
+deployed with `flywheel deploy --job-per-stage`, its sensor finds the example traces new and starts
+`retrain/small`, which the worker runs, each stage as its own `stage/small` flow run with that stage's job
+variables from infra/k8s/stages.json (the shared state is the project folder, as a volume would be); then the
+artifacts are in S3, a fresh clone's `dvc pull` restores the datasets and the champion loads from the registry.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_PIPELINE
+from conftest import REPO, SMALL_PIPELINE
 
 POOL = "cpu-pool"
 
@@ -52,8 +53,11 @@ def test_deployed_retrain_on_servers_with_s3(project, prefect_api, mlflow_server
                                              monkeypatch, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterTags
+    from prefect.client.schemas.sorting import FlowRunSort
     from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.spec import ORDER
 
     s3, bucket = s3_bucket
     tracking_uri, _ = mlflow_server
@@ -70,11 +74,13 @@ def test_deployed_retrain_on_servers_with_s3(project, prefect_api, mlflow_server
     with temporary_settings({PREFECT_API_URL: prefect_api}), get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name=POOL, type="process"))
         deployed = subprocess.run([sys.executable, "-m", "flywheel.cli", "deploy", "--pool", POOL, "--root",
-                                   str(project), "--results", f"s3://{bucket}/prefect-results"],
+                                   str(project), "--results", f"s3://{bucket}/prefect-results", "--job-per-stage",
+                                   "--stage-variables", str(REPO / "infra/k8s/stages.json")],
                                   env=env, capture_output=True, text=True)
         assert deployed.returncode == 0, deployed.stderr
         assert "retrain/small: cron 0 3 1 1 * UTC" in deployed.stdout
         assert "watch-traces/small: every 86400s" in deployed.stdout
+        assert "stage/small: no schedule" in deployed.stdout
         process_worker(POOL, env)
 
         from prefect.deployments import run_deployment
@@ -84,8 +90,18 @@ def test_deployed_retrain_on_servers_with_s3(project, prefect_api, mlflow_server
         started = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(
             all_=["flywheel.trigger"])))
         assert len(started) == 1, "150 example traces are new: the sensor starts one retrain"
-        retrain = _final(client, started[0].id, timeout_s=300)
+        retrain = _final(client, started[0].id, timeout_s=420)
         assert retrain.state.is_completed(), retrain.state.message
+
+        # each stage ran as its own flow run of the `stage` flow, a child of the retrain, with its job variables
+        stage_runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["stage"])),
+                                           sort=FlowRunSort.START_TIME_ASC)
+        assert [r.parameters["name"] for r in stage_runs] == list(ORDER)
+        for run in stage_runs:
+            assert run.state.is_completed() and run.parent_task_run_id is not None, run.name
+            assert client.read_task_run(run.parent_task_run_id).flow_run_id == retrain.id
+        gpus = {r.parameters["name"]: r.job_variables.get("gpus") for r in stage_runs}
+        assert gpus == {"collect": None, "synthesize": None, "sft": 1, "rl": 1, "evaluate": 1, "register": None}
 
         # nothing new since the retrain's collect: the sensor starts nothing more
         again = run_deployment("watch-traces/small", timeout=240, poll_interval=2)
