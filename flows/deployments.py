@@ -259,12 +259,16 @@ def local_server(home: Path, port: int | None = None, timeout_s: float = 180):
             time.sleep(0.5)
         yield url
     finally:
-        # the server runs uvicorn in a child process: stop the whole process group it leads
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+        stop_process_group(server)  # the server runs uvicorn in a child process
         log.close()
+
+
+def stop_process_group(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 20) -> None:
+    """Stop a process started with start_new_session=True and its children: `sig`, then SIGKILL after a wait."""
+    if process.poll() is None:
+        os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

@@ -172,15 +172,9 @@ def _wait_http(url: str, process: subprocess.Popen, what: str, log: Path, timeou
 
 def _stop(process: subprocess.Popen) -> None:
     """Stop a server started by a fixture, and its children (it leads its own process group)."""
-    import signal
+    from flows.deployments import stop_process_group
 
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    stop_process_group(process)
 
 
 @pytest.fixture

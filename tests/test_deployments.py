@@ -212,7 +212,7 @@ def test_flywheel_serve_runs_the_schedules_on_its_own_server(project, tmp_path):
     from prefect.client.schemas.objects import StateType
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.deployments import free_port
+    from flows.deployments import free_port, stop_process_group
 
     (project / "pipelines.yaml").write_text(SMALL_PIPELINE + "    trigger: {min_new_traces: 100000, every_s: 10}\n")
     port = free_port()
@@ -239,12 +239,7 @@ def test_flywheel_serve_runs_the_schedules_on_its_own_server(project, tmp_path):
         assert "started a local Prefect server" in text and "watch-traces/small: every 10s" in text
         assert "retrain/small: no schedule (started by its sensor)" in text
     finally:
-        os.killpg(serving.pid, signal.SIGINT)
-        try:
-            serving.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(serving.pid, signal.SIGKILL)
-            serving.wait()
+        stop_process_group(serving, signal.SIGINT, timeout_s=30)
     assert "Completed" in str(completed[0].state)
 
 
