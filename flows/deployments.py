@@ -247,20 +247,26 @@ def local_server(home: Path, port: int | None = None, timeout_s: float = 180):
                                "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the Prefect server did not start on port {port}; see {home / 'server.log'}")
-            time.sleep(0.5)
+        if not serving(f"{url}/health", server, timeout_s):
+            raise RuntimeError(f"the Prefect server did not start on port {port}; see {home / 'server.log'}")
         yield url
     finally:
         stop_process_group(server)  # the server runs uvicorn in a child process
         log.close()
+
+
+def serving(url: str, process: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait until `url` answers 200 (True), or the process exits or the timeout passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
 
 
 def stop_process_group(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 20) -> None:

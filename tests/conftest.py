@@ -154,20 +154,10 @@ def s3_bucket(moto_endpoint, monkeypatch, tmp_path):
 
 
 def _wait_http(url: str, process: subprocess.Popen, what: str, log: Path, timeout_s: float = 180) -> None:
-    import time
+    from flows.deployments import serving
 
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not start: {log.read_text()[-3000:]}")
-        time.sleep(0.5)
+    if not serving(url, process, timeout_s):
+        raise RuntimeError(f"{what} did not start: {log.read_text()[-3000:]}")
 
 
 def _stop(process: subprocess.Popen) -> None:
