@@ -28,8 +28,16 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# Every benchmark in full (tens of minutes); each prints its figures as one JSON line last. rl_gain starts from the
+# demo's SFT checkpoint, hence the demo run first (all cached after `make demo`). benchmarks/gpu_check.py needs a GPU.
 bench: $(STAMP)
+	$(BIN)/python benchmarks/collect.py
+	$(BIN)/python benchmarks/synthesis.py
+	$(BIN)/python benchmarks/sft.py
+	$(BIN)/python benchmarks/rl_async.py
 	$(BIN)/python benchmarks/demo_student.py
+	$(BIN)/flywheel run demo
+	$(BIN)/python benchmarks/rl_gain.py --student models/demo/sft
 
 lint: $(STAMP)
 	$(BIN)/ruff check flywheel tasks flows tests benchmarks

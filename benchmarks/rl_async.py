@@ -1,6 +1,6 @@
 """Asynchronous against synchronous RL: the same learner steps on the same work, side by side in one run.
 
-    .venv/bin/python benchmarks/rl_async.py [--steps 16] [--rounds 2] [--student models/demo/sft]
+    .venv/bin/python benchmarks/rl_async.py [--steps 16] [--rounds 2] [--student models/demo/sft] [--quick]
 
 Sync is one actor process at max_staleness 0 (it waits for each new version while the learner steps); async is
 one actor at max_staleness 1 (it generates step s+1 while the learner trains on step s). Each side gets one torch
@@ -8,7 +8,7 @@ thread for the learner and one for the actor. Step 0 (actor start-up, no overlap
 timings. The ideal speedup, (generation + training) / max(generation, training), comes from the sync run's own
 timings, summed over rounds that alternate sync and async. Without --student a random tiny student learns a
 graded rubric (the share of digits in its answer), so that every step trains; with --student, the calculator's
-own rubric. Last line: one JSON object.
+own rubric. Last line: one JSON object. `--quick`: 3 steps (2 timed), one round.
 """
 
 from __future__ import annotations
@@ -67,7 +67,10 @@ def main() -> None:
     parser.add_argument("--student", type=Path, default=None, help="an SFT checkpoint (default: a random tiny one)")
     parser.add_argument("--rounds", type=int, default=2, help="sync/async pairs, alternated")
     parser.add_argument("--epochs", type=int, default=1, help="epochs_per_batch: balances training against generation")
+    parser.add_argument("--quick", action="store_true", help="the same on tiny sizes (what the tests run)")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds = min(args.steps, 3), 1
 
     work = Path(tempfile.mkdtemp(prefix="rl-async-"))
     if args.student:
@@ -98,8 +101,8 @@ def main() -> None:
               f"{run['reward_last']:.3f}")
     print(f"speedup {speedup:.2f}x; ideal {ideal:.2f}x (from the sync run's generation and training); "
           f"{speedup / ideal:.0%} of ideal")
-    print(json.dumps({"steps_timed": args.steps - 1, "rounds": args.rounds, "sync_wall_s": round(sync["wall_s"], 2),
-                      "async_wall_s": round(asyn["wall_s"], 2),
+    print(json.dumps({"benchmark": "rl_async", "steps_timed": args.steps - 1, "rounds": args.rounds,
+                      "sync_wall_s": round(sync["wall_s"], 2), "async_wall_s": round(asyn["wall_s"], 2),
                       "sync_learner_idle_fraction": round(sync["learner_idle_fraction"], 3),
                       "async_learner_idle_fraction": round(asyn["learner_idle_fraction"], 3),
                       "sync_generate_s": round(sync["generate_s"], 2), "sync_train_s": round(sync["train_s"], 2),

@@ -1,6 +1,6 @@
 """The SFT stage's own overhead: train_sft against a bare TRL SFTTrainer script, same model, data and steps.
 
-    .venv/bin/python benchmarks/sft.py [--steps 60] [--conversations 500] [--repeats 4]
+    .venv/bin/python benchmarks/sft.py [--steps 60] [--conversations 500] [--repeats 4] [--quick]
 
 Builds the demo's tiny student (pipelines.yaml's student.tiny) on oracle calculator conversations, then times,
 alternating and keeping each one's best (the process's first run also pays one-time warm-up, so each
@@ -8,7 +8,7 @@ side needs a second run at least), (a) flywheel.train.sft.train_sft (template re
 assistant-only labels, length rule, resume fingerprint, checkpoints, per-step callback, save) and (b) the
 smallest TRL script that trains the same thing (assistant_only_loss on the messages, no checkpoints). Both are
 timed end to end, loading to saved model, and count the same non-padding tokens. The held-out eval is off in
-(a): it is extra work, not overhead. The last line is one JSON object; ratio = stage / bare tokens per second.
+(a): it is extra work, not overhead. The last line is one JSON object; ratio = stage / bare tokens per second. `--quick`: 4 steps on 64 conversations, one run each side.
 """
 
 from __future__ import annotations
@@ -68,7 +68,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--conversations", type=int, default=500)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="the same on tiny sizes (what the tests run)")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.conversations, args.repeats = min(args.steps, 4), min(args.conversations, 64), 1
 
     cfg = load_pipeline(args.pipeline, ROOT / "pipelines.yaml")
     sft = cfg.sft.model_copy(update={"steps": args.steps})

@@ -1,0 +1,339 @@
+"""Every command that README.md and infra/README.md show works on this checkout, as the README writes it.
+
+Which text is a command:
+- every line of a ```bash (or sh, shell) block: a trailing `\\` joins the next line, `# ...` outside quotes is
+  a comment, blank lines are skipped; what is left of a line is one command (`a && b` included);
+- elsewhere (prose, yaml and plain-text blocks): an inline code span, and in a plain-text block the text after a
+  `label:` of an output line, whose first word (after any `VAR=value`) is a program in PROGRAMS and which has at
+  least one more word: `flywheel serve` is a command, `flywheel.gate` and a lone `flywheel` are names.
+
+Each command is classified by the first rule in RULES it matches, and a command no rule matches fails the test,
+so a new README command is made runnable here or listed in NOT_RUN with the reason:
+- flywheel: argv as bash builds it (`$(...)` evaluated, `<placeholders>` filled in) must parse with the CLI's own
+  parser: a code block line as a complete command, an inline span (prose naming a command and the option it talks
+  about) with its required arguments allowed missing. RUN_HERE ones run for real in this checkout; `flywheel run`,
+  `compare` and `status` of the demo run for real on the small test pipeline (slow).
+- make: `make -n TARGET` works and its recipe calls what MAKE_CALLS says.
+- benchmark: the script is run with `--quick` (the same code path on tiny sizes) and prints its figures as one
+  JSON line last (slow); every benchmarks/*.py is run so, except the ones in NOT_RUN_HERE.
+- help: a command of a tool the project depends on (Prefect, MLflow, DVC): `TOOL SUBCOMMAND --help` works and
+  names every option the README passes.
+- server: the tests' OpenAI-compatible server is started, answers, and is stopped.
+- not run: NOT_RUN says why.
+For every command, each path under infra/, benchmarks/, tests/, examples/ or .ci/ it names must exist.
+
+The commands run with the project's packages importable only as an install makes them (PYTHONPATH is a folder
+holding just the packages pyproject.toml installs), from the project root, as a new user types them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+READMES = [REPO / "README.md", REPO / "infra" / "README.md"]
+BIN = Path(sys.executable).parent
+
+PROGRAMS = {"flywheel", "make", "python", "bash", "dvc", "git", "prefect", "mlflow", "docker", "kubectl", "vllm",
+            "accelerate", "rm", "export", "pip"}
+
+RULES = [
+    (r"flywheel ", "flywheel"),
+    (r"make ", "make"),
+    (r"python benchmarks/\w+\.py", "benchmark"),
+    (r"python tests/openai_server\.py", "server"),
+    (r"(prefect|mlflow|dvc) ", "help"),
+]
+NOT_RUN = {
+    r"docker ": "Docker is not available here; tests/test_servers.py parses infra/docker-compose.yml instead",
+    r"vllm serve ": "needs a GPU and a model download",
+    r"accelerate launch( |$)": "multi-GPU SFT; tests/test_sft_launch.py runs the launcher on CPU",
+    r"export ": "points the shell at shared servers, which are not here; tests/test_servers.py sets the same "
+                "variables for its loopback servers",
+    r"git (add|commit|clone|worktree)( |$)": "changes or clones the user's own repository",
+    r"rm ": "deletes a file of the user's project state",
+    r"bash \.ci/run": "CI itself: builds a venv and runs this whole suite (it would run this test again)",
+}
+# Run for real in this checkout (cheap; MLflow and Prefect state in temporary folders).
+RUN_HERE = ["flywheel check", "flywheel status demo"]
+# What each make target's recipe must call.
+MAKE_CALLS = {"demo": ["flywheel run demo"], "test": ["pytest -q"], "test-fast": ['pytest -q -m "not slow"'],
+              "bench": ["benchmarks/"]}
+# Subcommands whose --help the help rule reads; a tool command naming another one is unclassified.
+TOOL_SUBCOMMANDS = ["prefect server start", "prefect worker start", "prefect work-pool create", "mlflow ui",
+                    "mlflow server", "dvc remote add", "dvc remote modify", "dvc pull", "dvc push", "dvc repro",
+                    "dvc status", "dvc commit", "dvc checkout"]
+# Benchmarks the tests do not run, with the reason; `make bench` need not run them either.
+NOT_RUN_HERE = {"gpu_check.py": "needs a GPU: run it on a GPU machine"}
+# The keys of each benchmark's JSON line that the README's figures are read from.
+FIGURES = {
+    "collect.py": {"records", "megabytes", "json_loads_records_per_s", "collect_stage_records_per_s",
+                   "collect_stage_s", "ratio_json_loads_to_stage", "incremental_rerun_s"},
+    "synthesis.py": {"concurrency", "samples_per_s_concurrent", "samples_per_s_sequential", "ratio", "ideal_ratio"},
+    "sft.py": {"steps", "batch_size", "stage_tokens_per_s", "bare_trl_tokens_per_s", "ratio"},
+    "rl_async.py": {"sync_wall_s", "async_wall_s", "sync_generate_s", "sync_train_s", "sync_learner_idle_fraction",
+                    "async_learner_idle_fraction", "speedup", "ideal_speedup", "fraction_of_ideal"},
+    "demo_student.py": {"base_pass_rate", "sft_pass_rate", "sft_runtime_s", "sft_tokens_per_s"},
+    "rl_gain.py": {"sft_pass_rate", "rl_pass_rate", "diff", "gate_passed"},
+}
+
+
+def _strip_comment(line: str) -> str:
+    """The line without a `# comment` that starts outside quotes after whitespace."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def _is_command(text: str) -> bool:
+    words = text.split()
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # VAR=value prefixes
+        words = words[1:]
+    if len(words) < 2:
+        return False
+    first = words[0].removeprefix(".venv/bin/")
+    return first in PROGRAMS
+
+
+def _normalise(text: str) -> str:
+    """One line, single spaces, VAR=value prefixes and the `.venv/bin/` of a program dropped."""
+    text = " ".join(text.split())
+    text = re.sub(r"^([A-Z_]+=\S*\s+)+", "", text)
+    return text.removeprefix(".venv/bin/")
+
+
+def readme_commands() -> list[tuple[str, str, bool]]:
+    """(readme file, command, complete) for every command of the READMEs; complete: from a shell block."""
+    found = []
+    for readme in READMES:
+        text = readme.read_text()
+        name = readme.relative_to(REPO).as_posix()
+        prose = text
+        for match in re.finditer(r"^( *)```(\w*)\n(.*?)^\1```", text, flags=re.M | re.S):
+            lang, body = match.group(2), match.group(3)
+            prose = prose.replace(match.group(0), "\n")
+            if lang in ("bash", "sh", "shell"):
+                joined = re.sub(r"\\\n\s*", " ", body)
+                for line in joined.splitlines():
+                    line = _strip_comment(line).strip()
+                    if line:
+                        found.append((name, _normalise(line), True))
+                continue
+            spans = re.findall(r"`([^`]+)`", body)
+            if not lang:  # plain output: the text after a "label:" on a line
+                spans += [m.group(1) for m in re.finditer(r"^[ \t]*[\w ]+:[ \t]+(.+)$", body, flags=re.M)]
+            found += [(name, _normalise(s), False) for s in spans if _is_command(s)]
+        found += [(name, _normalise(s), False) for s in re.findall(r"`([^`]+)`", prose) if _is_command(s)]
+    return found
+
+
+def classify(command: str) -> str | None:
+    """The rule's kind, "not run", or None when no rule says what to do with the command."""
+    for pattern, kind in RULES:
+        if re.match(pattern, command):
+            if kind == "help" and not any(command.startswith(s + " ") or command == s for s in TOOL_SUBCOMMANDS):
+                return None
+            return kind
+    return "not run" if any(re.match(pattern, command) for pattern in NOT_RUN) else None
+
+
+COMMANDS = readme_commands()
+
+
+@pytest.fixture(scope="module")
+def installed_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of a user's shell: the packages pyproject.toml installs importable, nothing else added."""
+    site = tmp_path_factory.mktemp("site")
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    for package in include["include"]:
+        (site / package.rstrip("*")).symlink_to(REPO / package.rstrip("*"))
+    return os.environ | {"PYTHONPATH": str(site), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+
+
+def _shell(command: str, env: dict, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a README command as a user's shell would, with `.venv/bin` programs taken from this venv."""
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _fill(command: str, values: list[str] | None = None) -> str:
+    """`<placeholders>` replaced by the given values in order, or by a word, so bash does not read a redirect."""
+    values = list(values or [])
+    return re.sub(r"<[^>]+>", lambda m: values.pop(0) if values else "PLACEHOLDER", command)
+
+
+def test_every_readme_command_is_classified():
+    assert len(COMMANDS) > 30, "the README parser found too few commands"
+    unknown = [f"{name}: {command}" for name, command, _ in COMMANDS if classify(command) is None]
+    assert not unknown, ("README commands this test does not know how to check (make them runnable here, or add "
+                         "them to NOT_RUN with the reason):\n" + "\n".join(unknown))
+
+
+def test_paths_named_by_readme_commands_exist():
+    missing = []
+    for name, command, _ in COMMANDS:
+        for word in shlex.split(_fill(command).replace("$(", " ").replace(")", " "), posix=True):
+            if re.match(r"(infra|benchmarks|tests|examples|\.ci)/", word) and not list(REPO.glob(word)):
+                missing.append(f"{name}: {command}: {word}")
+    assert not missing, "README commands name files that do not exist:\n" + "\n".join(missing)
+
+
+def test_flywheel_commands_parse_as_the_cli_defines_them(installed_env):
+    import click
+    from typer.main import get_command
+
+    from flywheel.cli import app
+
+    group = get_command(app)
+    printer = f"{shlex.quote(sys.executable)} -c 'import json, sys; print(json.dumps(sys.argv[1:]))'"
+    failures = []
+    for name, command, complete in COMMANDS:
+        if classify(command) != "flywheel":
+            continue
+        shown = _shell(printer + _fill(command).removeprefix("flywheel"), installed_env)
+        assert shown.returncode == 0, f"{name}: {command}: bash could not expand it: {shown.stderr}"
+        argv = json.loads(shown.stdout.splitlines()[-1])
+        sub = group.commands.get(argv[0]) if argv else None
+        if sub is None:
+            failures.append(f"{name}: {command}: no subcommand {argv[:1]}")
+            continue
+        try:
+            sub.make_context(f"flywheel {argv[0]}", argv[1:], resilient_parsing=not complete)
+        except click.UsageError as err:
+            failures.append(f"{name}: {command}: {err.format_message()}")
+    assert not failures, "README flywheel commands the CLI refuses:\n" + "\n".join(failures)
+
+
+def test_flywheel_entry_point_and_cheap_commands_run(installed_env, tmp_path):
+    named = {command for _, command, _ in COMMANDS}
+    assert set(RUN_HERE) <= named, f"RUN_HERE names commands the README no longer shows: {set(RUN_HERE) - named}"
+    listed = _shell("flywheel --help", installed_env)
+    assert listed.returncode == 0, listed.stderr
+    for sub in {c.split()[1] for c in named if classify(c) == "flywheel"}:
+        assert re.search(rf"│ {sub}\s", listed.stdout), f"`flywheel --help` does not list {sub}"
+    # state in temporary folders, not the checkout's .flywheel/
+    env = installed_env | {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+                           "PREFECT_HOME": str(tmp_path / "prefect")}
+    checked = _shell("flywheel check", env)
+    assert checked.returncode == 0 and "pipelines.yaml: ok (demo" in checked.stdout, checked.stdout + checked.stderr
+    status = _shell("flywheel status demo", env)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "demo: no registered version yet" in status.stdout and "next scheduled run:" in status.stdout
+
+
+def test_make_targets_exist_and_call_what_the_readme_says(installed_env):
+    targets = {command.split()[1] for _, command, _ in COMMANDS if classify(command) == "make"}
+    assert targets <= set(MAKE_CALLS), f"make targets with no expectation in MAKE_CALLS: {targets - set(MAKE_CALLS)}"
+    for target in targets | {"bench"}:
+        planned = _shell(f"make -n {target}", installed_env)
+        assert planned.returncode == 0, f"make -n {target}: {planned.stderr}"
+        for call in MAKE_CALLS[target]:
+            assert call in planned.stdout, f"`make {target}` does not call {call}:\n{planned.stdout}"
+    bench = _shell("make -n bench", installed_env).stdout
+    unrun = [p.name for p in _benchmarks() if f"benchmarks/{p.name}" not in bench]
+    assert not unrun, f"`make bench` does not run {unrun}"
+
+
+def test_tool_commands_exist_with_the_options_the_readme_passes(installed_env):
+    asked = {}
+    for name, command, _ in COMMANDS:
+        if classify(command) == "help":
+            sub = next(s for s in TOOL_SUBCOMMANDS if command == s or command.startswith(s + " "))
+            asked.setdefault(sub, []).append((name, command))
+    failures = []
+    for sub, uses in asked.items():
+        shown = _shell(f"{sub} --help", installed_env, timeout=120)
+        if shown.returncode != 0:
+            failures.append(f"{sub} --help: exit {shown.returncode}: {shown.stderr[-500:]}")
+            continue
+        for name, command in uses:
+            for option in re.findall(r"(?:^|\s)(--?[\w-]+)", command):
+                if not re.search(rf"(^|[\s,\[]){re.escape(option)}\b", shown.stdout):
+                    failures.append(f"{name}: {command}: `{sub} --help` has no {option}")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_openai_test_server_starts_answers_and_stops(installed_env):
+    import httpx
+
+    commands = [c for _, c, _ in COMMANDS if classify(c) == "server"]
+    assert commands
+    for command in commands:
+        server = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=REPO, env=installed_env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            url = server.stdout.readline().strip()
+            assert url.startswith("http"), f"{command}: printed {url!r}; {server.stderr.read() if not url else ''}"
+            assert httpx.get(f"{url}/models", timeout=30).status_code == 200
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+def _benchmarks() -> list[Path]:
+    return [p for p in sorted((REPO / "benchmarks").glob("*.py")) if p.name not in NOT_RUN_HERE]
+
+
+def test_readme_benchmarks_are_the_ones_run_here():
+    scripts = {re.search(r"benchmarks/(\w+\.py)", c).group(1) for _, c, _ in COMMANDS if classify(c) == "benchmark"}
+    assert scripts, "the README names no benchmark"
+    assert scripts <= {p.name for p in _benchmarks()}, scripts - {p.name for p in _benchmarks()}
+    assert {p.name for p in _benchmarks()} <= set(FIGURES), "a benchmark with no FIGURES entry"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", [p.name for p in _benchmarks()])
+def test_benchmark_runs_quick_as_the_readme_shows_and_prints_its_figures(script, installed_env):
+    shown = [c for _, c, _ in COMMANDS if classify(c) == "benchmark" and f"benchmarks/{script}" in c]
+    command = (shown[0] if shown else f"python benchmarks/{script}") + " --quick"
+    ran = _shell(command, installed_env)
+    assert ran.returncode == 0, f"{command}: exit {ran.returncode}\n{ran.stdout[-2000:]}\n{ran.stderr[-3000:]}"
+    figures = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert FIGURES[script] <= set(figures), f"{script}: JSON line lacks {FIGURES[script] - set(figures)}"
+
+
+@pytest.mark.slow
+def test_run_compare_and_status_on_a_small_pipeline(project, installed_env):
+    from mlflow import MlflowClient
+
+    env = installed_env | {"MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]}
+    wanted = [c for _, c, _ in COMMANDS if re.match(r"flywheel (run|compare|status) demo( |$)", c)
+              and "--refresh" not in c]
+    runs = [c for c in wanted if c.startswith("flywheel run ")]
+    assert runs and any(c.startswith("flywheel compare") for c in wanted), wanted
+    for _ in range(2):  # two retrain runs to compare (the second from Prefect's cache)
+        ran = _shell(runs[0].replace(" demo", " small", 1), env, cwd=project)
+        assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name("small")
+    ids = [r.info.run_id for r in client.search_runs([experiment.experiment_id],
+                                                     "tags.`flywheel.stage` = 'retrain'")]
+    assert len(ids) == 2
+    for command in dict.fromkeys(wanted):
+        if command.startswith("flywheel run "):
+            continue
+        ran = _shell(_fill(command.replace(" demo", " small", 1), ids), env, cwd=project)
+        assert ran.returncode == 0, f"{command}:\n{ran.stdout[-3000:]}{ran.stderr[-3000:]}"
+        if command.startswith("flywheel compare"):
+            assert ids[0][:8] in ran.stdout and ids[1][:8] in ran.stdout, ran.stdout
+        if "--html" in command:
+            html = project / shlex.split(command)[shlex.split(command).index("--html") + 1]
+            assert "data:image/png;base64" in html.read_text()
+        if command.startswith("flywheel status"):
+            assert "champion" in ran.stdout and ids[0][:8] in ran.stdout, ran.stdout
