@@ -195,7 +195,7 @@ def test_paths_named_by_readme_commands_exist():
 
 
 def test_flywheel_commands_parse_as_the_cli_defines_them(installed_env):
-    import click
+    import typer
     from typer.main import get_command
 
     from flywheel.cli import app
@@ -214,9 +214,11 @@ def test_flywheel_commands_parse_as_the_cli_defines_them(installed_env):
             failures.append(f"{name}: {command}: no subcommand {argv[:1]}")
             continue
         try:
-            sub.make_context(f"flywheel {argv[0]}", argv[1:], resilient_parsing=not complete)
-        except click.UsageError as err:
-            failures.append(f"{name}: {command}: {err.format_message()}")
+            sub.make_context(f"flywheel {argv[0]}", argv[1:])
+        except typer.TyperException as err:  # typer's own click: a usage error (unknown option, missing argument)
+            # prose may name an option without its value, or leave out a required argument
+            if complete or type(err).__name__ not in ("MissingParameter", "BadOptionUsage"):
+                failures.append(f"{name}: {command}: {err}")
     assert not failures, "README flywheel commands the CLI refuses:\n" + "\n".join(failures)
 
 
