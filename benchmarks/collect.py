@@ -118,7 +118,8 @@ def main() -> None:
     print(f"incremental rerun with nothing new: {rerun_s:.2f}s", flush=True)
     print(json.dumps({"benchmark": "collect", "records": args.records, "megabytes": round(size / 1e6, 1),
                       "json_loads_records_per_s": round(args.records / bare_s),
-                      "collect_stage_records_per_s": round(args.records / stage_s), "collect_stage_s": round(stage_s, 1),
+                      "collect_stage_records_per_s": round(args.records / stage_s),
+                      "collect_stage_s": round(stage_s, 1),
                       "ratio_json_loads_to_stage": round(stage_s / bare_s, 1),
                       "incremental_rerun_s": round(rerun_s, 2)}))
 

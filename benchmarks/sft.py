@@ -8,7 +8,8 @@ side needs a second run at least), (a) flywheel.train.sft.train_sft (template re
 assistant-only labels, length rule, resume fingerprint, checkpoints, per-step callback, save) and (b) the
 smallest TRL script that trains the same thing (assistant_only_loss on the messages, no checkpoints). Both are
 timed end to end, loading to saved model, and count the same non-padding tokens. The held-out eval is off in
-(a): it is extra work, not overhead. The last line is one JSON object; ratio = stage / bare tokens per second. `--quick`: 4 steps on 64 conversations, one run each side.
+(a): it is extra work, not overhead. The last line is one JSON object; ratio = stage / bare tokens per second.
+`--quick`: 4 steps on 64 conversations, one run each side.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Teacher throughput over the OpenAI protocol: samples per second at the configured concurrency and one at a time.
 
-    .venv/bin/python benchmarks/synthesis.py [--pipeline demo] [--latency 0.05] [--tasks 128] [--concurrency N] [--quick]
+    .venv/bin/python benchmarks/synthesis.py [--pipeline demo] [--latency 0.05] [--tasks 128] [--concurrency N]
+                                             [--quick]
 
 Starts the tests' OpenAI-compatible server (the calculator oracle, tests/openai_server.py) in its own process
 with a fixed latency per request, then runs synthesis episodes (two requests each: the tool call, the answer)

@@ -35,7 +35,6 @@ import shlex
 import subprocess
 import sys
 import tomllib
-from functools import cache
 from pathlib import Path
 
 import pytest
