@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flywheel.config import SFTConfig
+from flywheel.metrics import SFT_LAST_LOSS, SFT_LOSS
 from flywheel.train.checkpoint import canonical_messages, encode_conversation, load_student, save_student
 from flywheel.train.templates import training_template
 
@@ -146,7 +147,7 @@ def train_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTCon
         _save(trainer, out_dir, base_dir, cfg)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     tokens = trainer.state.num_input_tokens_seen - trainer.tokens_at_start
-    return {"train_loss": float(result.training_loss), "final_loss": float(losses[-1]) if losses else None,
+    return {"train_loss": float(result.training_loss), SFT_LAST_LOSS: float(losses[-1]) if losses else None,
             "eval_loss": eval_loss, "steps": int(trainer.state.global_step), "runtime_s": runtime,
             "tokens": int(tokens), "tokens_per_s": tokens / runtime if runtime > 0 else 0.0,
             "resumed_from": resume, "world_size": int(trainer.args.world_size), **counts}
@@ -238,7 +239,7 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
             if "loss" not in logs:
                 return
             now, tokens = time.perf_counter(), state.num_input_tokens_seen
-            metrics = {"loss": logs["loss"], "learning_rate": logs.get("learning_rate", 0.0),
+            metrics = {SFT_LOSS: logs["loss"], "learning_rate": logs.get("learning_rate", 0.0),
                        "grad_norm": logs.get("grad_norm", 0.0),
                        "token_accuracy": logs.get("mean_token_accuracy", 0.0),
                        "tokens_per_s": (tokens - self.last[1]) / max(now - self.last[0], 1e-9)}

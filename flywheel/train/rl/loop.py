@@ -22,6 +22,7 @@ import torch
 
 from flywheel.config import RLConfig
 from flywheel.envs.base import Environment, Task
+from flywheel.metrics import RL_LAST_REWARD, RL_REWARD
 from flywheel.train.rl.actor import ActorPool, rollout
 from flywheel.train.rl.batch import Group, advantages_of, collate, samples_of
 from flywheel.train.rl.buffer import RolloutBuffer
@@ -163,7 +164,7 @@ def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig
     generate_s = sum(g.generate_s for g in groups + stale)
     idle_s = sum(g.idle_s for g in groups + stale)
     step_s = wait_s + learn_s
-    metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+    metrics = {RL_REWARD: float(rewards.mean()), "reward_std": float(rewards.std()),
                "pass_rate": float(np.mean([r.passed for r in rollouts])) if rollouts else 0.0,
                "groups": len(groups), "dropped_groups": len(stale),
                "skipped_groups": sum(len({r.reward for r in g.rollouts}) == 1 for g in groups),
@@ -195,7 +196,7 @@ def _summary(cfg: RLConfig, rows: list[dict], history: list[dict], totals: dict,
                "actor_idle_fraction": totals["actor_idle_s"] / max(totals["actor_idle_s"] + totals["generate_s"],
                                                                    1e-9)}
     if history:
-        summary |= {"reward_mean_first": history[0]["reward_mean"], "reward_mean_last": history[-1]["reward_mean"],
+        summary |= {"reward_mean_first": history[0][RL_REWARD], RL_LAST_REWARD: history[-1][RL_REWARD],
                     "pass_rate_mean": float(np.mean([m["pass_rate"] for m in history])),
                     "skipped_groups": int(sum(m["skipped_groups"] for m in history)),
                     "dropped_groups": int(sum(m["dropped_groups"] for m in history)),
