@@ -37,7 +37,7 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dict
             rows, summary = [], {"steps": 0}
         else:
             rows, summary = train_rl(catalog.model_dir("sft"), env, tasks, cfg.rl, out_dir,
-                                     max_turns=cfg.environment.max_turns,
+                                     max_turns=cfg.environment.max_turns, device=cfg.student.device,
                                      on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"))
         catalog.write("rollouts", pd.DataFrame(rows, columns=list(Rollouts.to_schema().columns)))
         run.metrics(final_metrics(summary))

@@ -63,7 +63,8 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dic
                 run.metrics(values, step=step)
 
         result = train_sft(base, rows, catalog.model_dir("sft"), cfg.sft, on_log=on_log, chat_template=template,
-                           accelerate_config=root_path / "infra" / "accelerate" / f"{cfg.sft.launcher}.yaml")
+                           accelerate_config=root_path / "infra" / "accelerate" / f"{cfg.sft.launcher}.yaml",
+                           device=cfg.student.device)
         run.metrics(final_metrics(result))
         base_of_adapter = adapter_base(catalog.model_dir("sft"))
         if base_of_adapter:
