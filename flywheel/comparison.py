@@ -12,10 +12,11 @@ from pathlib import Path
 import pandas as pd
 from mlflow.exceptions import MlflowException
 
+from flywheel.metrics import FINAL, RL_FINAL_REWARD, RL_REWARD, SFT_FINAL_LOSS, SFT_LOSS
 from flywheel.registry import client
 
 PARAMS = ("sft.steps", "sft.lr", "rl.steps", "rl.lr", "rl.group_size", "gate.mode", "gate.margin")
-CURVES = {"sft": "loss", "rl": "reward_mean"}  # the learning curve each training stage logs per step
+CURVES = {"sft": SFT_LOSS, "rl": RL_REWARD}  # the learning curve each training stage logs per step
 
 
 def retrain_runs(pipeline: str, last: int = 5, run_ids: list[str] | None = None) -> list[dict]:
@@ -56,7 +57,7 @@ def _describe(pipeline: str, parent) -> dict:
             continue
         row["params"] |= {k: v for k, v in run.data.params.items() if k in PARAMS}
         row["metrics"] |= {f"{name}.{k}": v for k, v in run.data.metrics.items()
-                           if k.startswith(("final_", "score_", "gate_"))}
+                           if k.startswith((FINAL, "score_", "gate_"))}
         if name in CURVES:
             history = client().get_metric_history(run.info.run_id, CURVES[name])
             row["curves"][f"{name} {CURVES[name]}"] = sorted((m.step, m.value) for m in history)
@@ -88,7 +89,7 @@ def summary_table(rows: list[dict]) -> pd.DataFrame:
             "run": row["run_id"][:8], "started": row["started"].strftime("%Y-%m-%d %H:%M"),
             "version": row["version"], "data": " ".join(f"{k}:{v}" for k, v in sorted(row["data"].items())),
             "params": " ".join(f"{k}={v}" for k, v in sorted(row["params"].items())),
-            "sft loss": _fmt(m.get("sft.final_loss")), "rl reward": _fmt(m.get("rl.final_reward_mean")),
+            "sft loss": _fmt(m.get(f"sft.{SFT_FINAL_LOSS}")), "rl reward": _fmt(m.get(f"rl.{RL_FINAL_REWARD}")),
             "base": _fmt(m.get("evaluate.score_base")), "sft": _fmt(m.get("evaluate.score_sft")),
             "rl [95% CI]": _fmt(m.get("evaluate.score_rl")) + (f" [{low:.3f}, {high:.3f}]" if low is not None
                                                               and high is not None else ""),

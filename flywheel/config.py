@@ -11,6 +11,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from flywheel.devices import DEVICE_PATTERN
+
 
 class ConfigError(ValueError):
     """pipelines.yaml is missing, unreadable or invalid; the message names the file and the key."""
@@ -51,6 +53,10 @@ class StudentConfig(Section):
     # A .jinja file (under the project root) with {% generation %} markers, for a student whose own template has
     # none and is not one TRL ships a training version of. When set it is used in place of the student's own.
     chat_template: str | None = None
+    # Where the student trains and runs in sft, rl (the learner; actors too unless rl.actor_devices) and evaluate:
+    # auto (a CUDA GPU when one is visible, else the CPU), cpu, cuda or cuda:N (sft: cuda:0 only; pick another GPU
+    # with CUDA_VISIBLE_DEVICES). Naming a GPU the machine lacks is an error, never a fall back to the CPU.
+    device: str = Field("auto", pattern=DEVICE_PATTERN)
 
 
 class TeacherConfig(Section):
@@ -70,6 +76,8 @@ class TeacherConfig(Section):
     price_output_per_mtok: float = Field(0.0, ge=0)  # USD per million completion tokens
     # SQLite response cache under the project root (null: none): reruns make no calls, a killed run resumes
     cache: str | None = ".flywheel/teacher-cache.sqlite"
+    # hf and vllm teachers (local models): auto, cpu, cuda or cuda:N, as student.device; vllm needs a GPU
+    device: str = Field("auto", pattern=DEVICE_PATTERN)
 
     @model_validator(mode="before")
     @classmethod
@@ -86,6 +94,9 @@ class TeacherConfig(Section):
         if self.policy != "oracle" and not self.model:
             raise ValueError(f"teacher policy '{self.policy}' needs 'model' (the served model name, "
                              "or a checkpoint for vllm and hf)")
+        if self.policy == "vllm" and self.device == "cpu":
+            raise ValueError("teacher policy 'vllm' runs on a GPU only: device cpu is not possible (use hf on "
+                             "the CPU, or openai against a vLLM server)")
         return self
 
 
@@ -283,8 +294,27 @@ class RLConfig(Section):
     # oversubscribe the cores, or overlapping them is slower than taking turns.
     learner_threads: int = Field(1, ge=1)
     actor_threads: int = Field(1, ge=1)
-    generation: Literal["hf", "vllm"] = "hf"  # the actors' engine: transformers (CPU/GPU) or vLLM (GPU)
+    # The actors' engine: transformers (CPU/GPU) or vLLM (GPU; needs actors >= 1: it runs in an actor process).
+    generation: Literal["hf", "vllm"] = "hf"
+    # One device per actor (auto, cpu, cuda, cuda:N), e.g. [cuda:1, cuda:2] beside a learner on cuda:0;
+    # empty: every actor on student.device.
+    actor_devices: list[str] = []
     checkpoint_every: int = Field(5, ge=0)  # learner steps between resumable checkpoints; 0: none
+
+    @model_validator(mode="after")
+    def _actors_fit(self) -> RLConfig:
+        if self.generation == "vllm" and self.actors == 0:
+            raise ValueError("generation 'vllm' needs actors >= 1: the vLLM engine runs in an actor process, and "
+                             "with actors 0 the learner generates with transformers itself")
+        bad = [d for d in self.actor_devices if not re.fullmatch(DEVICE_PATTERN, d)]
+        if bad:
+            raise ValueError(f"actor_devices {bad}: use auto, cpu, cuda or cuda:N")
+        if self.actor_devices and len(self.actor_devices) != self.actors:
+            raise ValueError(f"actor_devices names {len(self.actor_devices)} device(s) for {self.actors} actor(s): "
+                             "give one per actor, or none (every actor on student.device)")
+        if self.generation == "vllm" and "cpu" in self.actor_devices:
+            raise ValueError("generation 'vllm' runs on a GPU only: an actor on cpu is not possible")
+        return self
 
 
 class EvaluateConfig(Section):

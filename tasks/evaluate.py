@@ -64,7 +64,8 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
             rows += evaluate_model(path, env, heldout, label, max_turns=cfg.environment.max_turns,
                                    tool_timeout_s=cfg.environment.tool_timeout_s,
                                    batch_size=cfg.evaluate.batch_size, samples=cfg.evaluate.samples,
-                                   temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed)
+                                   temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed,
+                                   device=cfg.student.device)
         table = pd.DataFrame(rows)
         catalog.write("eval", table)
 

@@ -13,6 +13,7 @@ from flywheel.data.catalog import Catalog
 from flywheel.data.schemas import Rollouts
 from flywheel.data.tasksets import row_task
 from flywheel.envs import get_environment
+from flywheel.metrics import final_metrics
 from flywheel.registry import stage_run
 from flywheel.train.rl.loop import train_rl
 from tasks.caching import by_content
@@ -36,10 +37,10 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dict
             rows, summary = [], {"steps": 0}
         else:
             rows, summary = train_rl(catalog.model_dir("sft"), env, tasks, cfg.rl, out_dir,
-                                     max_turns=cfg.environment.max_turns,
+                                     max_turns=cfg.environment.max_turns, device=cfg.student.device,
                                      on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"))
         catalog.write("rollouts", pd.DataFrame(rows, columns=list(Rollouts.to_schema().columns)))
-        run.metrics({f"final_{k}": v for k, v in summary.items()})
+        run.metrics(final_metrics(summary))
         outputs = output_hashes("rl", pipeline, root_path)
         run.tags({f"flywheel.out.{k}": v for k, v in outputs.items()})
     return {"stage": "rl", "run_id": run.run_id, "metrics": summary, "outputs": outputs}

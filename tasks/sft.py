@@ -11,6 +11,7 @@ from prefect import task
 from flywheel.config import load_pipeline
 from flywheel.data.catalog import Catalog
 from flywheel.data.lineage import dvc_md5, log_dataset
+from flywheel.metrics import final_metrics
 from flywheel.registry import stage_run
 from flywheel.train.checkpoint import adapter_base
 from flywheel.train.sft import train_sft
@@ -62,8 +63,9 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dic
                 run.metrics(values, step=step)
 
         result = train_sft(base, rows, catalog.model_dir("sft"), cfg.sft, on_log=on_log, chat_template=template,
-                           accelerate_config=root_path / "infra" / "accelerate" / f"{cfg.sft.launcher}.yaml")
-        run.metrics({f"final_{k}": v for k, v in result.items()})
+                           accelerate_config=root_path / "infra" / "accelerate" / f"{cfg.sft.launcher}.yaml",
+                           device=cfg.student.device)
+        run.metrics(final_metrics(result))
         base_of_adapter = adapter_base(catalog.model_dir("sft"))
         if base_of_adapter:
             run.tags({"flywheel.adapter_base": base_of_adapter})

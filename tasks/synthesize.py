@@ -91,10 +91,11 @@ def build_teacher(cfg: TeacherConfig, env: Environment, root: Path) -> Policy:
     """The teacher policy the config names; the openai one reads its key from the variable named, here only."""
     if cfg.policy == "oracle":
         return get_policy("oracle", env=env)
-    if cfg.policy == "hf":
-        return get_policy("hf", model_or_path=cfg.model)
-    if cfg.policy == "vllm":
-        return get_policy("vllm", model=cfg.model)
+    if cfg.policy in ("hf", "vllm"):  # a folder under the project root (not the cwd), else a hub id as given
+        model = str(root / cfg.model) if (root / cfg.model).exists() else cfg.model
+        if cfg.policy == "hf":
+            return get_policy("hf", model_or_path=model, device=cfg.device)
+        return get_policy("vllm", model=model, device=cfg.device)
     return get_policy("openai", model=cfg.model, base_url=cfg.base_url, api_key_env=cfg.api_key_env,
                       concurrency=cfg.concurrency, timeout_s=cfg.timeout_s, max_retries=cfg.max_retries,
                       breaker_failures=cfg.breaker_failures, cache=root / cfg.cache if cfg.cache else None)

@@ -1,59 +1,89 @@
-"""`flywheel compare`: retrain runs read back from MLflow into one table and an HTML report."""
+"""`flywheel compare`: retrain runs made by the real stages, read back from MLflow into one table and an HTML report.
+
+The stage runs are made by the stage functions themselves (collect, synthesize, sft, rl, evaluate on a very small
+pipeline), so a metric renamed on the writing side leaves a blank column here and the test fails.
+"""
 
 from __future__ import annotations
 
-import json
-
+import yaml
 from typer.testing import CliRunner
 
-from flywheel import comparison, registry
+from flywheel import comparison, metrics, registry
 
 
-def _retrain_run(root, score: float, gate: str, version: str) -> str:
-    """A retrain run as the flow logs it: a parent with stage runs, curves, eval scores and gate.json."""
-    parent = registry.start_run(root, "small", "retrain")
-    tags = {"flywheel.gate": gate, "flywheel.registered_version": version,
+def _shrink(project, seed: int) -> None:
+    config = yaml.safe_load((project / "pipelines.yaml").read_text())
+    small = config["pipelines"]["small"]
+    small["environment"] |= {"train_tasks": 60, "heldout_tasks": 16}
+    # another seed per run: a second SFT with the same inputs would resume from the first one's last checkpoint
+    small["sft"] |= {"steps": 4, "batch_size": 8, "log_every": 2, "eval_fraction": 0.0, "seed": seed}
+    small["rl"] |= {"steps": 2, "tasks_per_step": 2, "group_size": 2, "actors": 0, "max_new_tokens": 16,
+                    "seed": seed}
+    (project / "pipelines.yaml").write_text(yaml.safe_dump(config))
+
+
+def _retrain_run(project, stages: list[str], gate_tag: str, version: str) -> str:
+    """A retrain run as the flow records it: a parent run whose tags name the stage runs the real stages made."""
+    from tasks.collect import collect
+    from tasks.evaluate import evaluate
+    from tasks.rl import rl
+    from tasks.sft import sft
+    from tasks.synthesize import synthesize
+
+    functions = {"collect": collect, "synthesize": synthesize, "sft": sft, "rl": rl, "evaluate": evaluate}
+    parent = registry.start_run(project, "small", "retrain")
+    tags = {"flywheel.gate": gate_tag, "flywheel.registered_version": version,
             "flywheel.dvc.data/small/collect": "0123456789abcdef"}
-    for stage in ("sft", "rl", "evaluate"):
-        with registry.stage_run(root, "small", stage, parent.run_id, {stage: {"steps": 3}}) as run:
-            if stage == "sft":
-                for step, loss in enumerate([2.0, 1.0, 0.5], start=1):
-                    run.metrics({"loss": loss}, step=step)
-                run.metrics({"final_loss": 0.5})
-            if stage == "rl":
-                run.metrics({"reward_mean": score}, step=1)
-                run.metrics({"final_reward_mean": score})
-            if stage == "evaluate":
-                run.metrics({"score_base": 0.1, "score_sft": 0.5, "score_rl": score, "gate_candidate_low": score - 0.1,
-                             "gate_candidate_high": score + 0.05, "gate_diff_estimate": 0.02, "gate_diff_low": -0.01})
-                report = root / f"gate-{version}" / "gate.json"
-                report.parent.mkdir()
-                report.write_text(json.dumps({"reasons": [f"candidate score {score}"], "slice_scores": [
-                    {"model": "rl", "slice": "add", "score": score, "low": score - 0.1, "high": score + 0.1}]}))
-                run.artifact(report)
-        tags[f"stage.{stage}.run_id"] = run.run_id
+    for name in stages:
+        result = functions[name].fn("small", str(project), parent_run_id=parent.run_id)
+        tags[f"stage.{name}.run_id"] = result["run_id"]
     parent.tags(tags)
     parent.end()
     return parent.run_id
 
 
-def test_compare_prints_the_last_runs_and_writes_html(project, tmp_path):
+def test_compare_reads_runs_the_stages_made_and_writes_html(project, tmp_path):
     from flywheel.cli import app
 
-    old = _retrain_run(tmp_path, 0.7, "passed", "1")
-    new = _retrain_run(tmp_path, 0.9, "failed", "2")
+    _shrink(project, seed=0)
+    old = _retrain_run(project, ["collect", "synthesize", "sft", "rl", "evaluate"], "passed", "1")
+    _shrink(project, seed=1)
+    new = _retrain_run(project, ["sft", "rl", "evaluate"], "failed", "2")
     rows = comparison.retrain_runs("small", last=5)
     assert [r["run_id"] for r in rows] == [new, old]
-    assert rows[0]["curves"]["sft loss"] == [(1, 2.0), (2, 1.0), (3, 0.5)]
     assert rows[0]["data"] == {"collect": "01234567"}
+
+    c = registry.client()
+    stage_ids = {name: c.get_run(new).data.tags[f"stage.{name}.run_id"] for name in ("sft", "rl", "evaluate")}
+    losses = [(m.step, m.value) for m in c.get_metric_history(stage_ids["sft"], metrics.SFT_LOSS)]
+    rewards = [(m.step, m.value) for m in c.get_metric_history(stage_ids["rl"], metrics.RL_REWARD)]
+    assert [s for s, _ in sorted(losses)] == [2, 4]
+    assert rows[0]["curves"]["sft loss"] == sorted(losses)
+    assert rows[0]["curves"]["rl reward_mean"] == sorted(rewards) and len(rewards) == 2
+
     table = comparison.summary_table(rows)
-    assert table.loc[0, "rl [95% CI]"] == "0.900 [0.800, 0.950]" and table.loc[1, "gate"] == "passed"
+    # the columns a real run fills: the last logged SFT loss, the last RL step's mean reward, the held-out scores
+    assert table.loc[0, "sft loss"] == f"{sorted(losses)[-1][1]:.3f}"
+    assert table.loc[0, "rl reward"] == f"{sorted(rewards)[-1][1]:.3f}"
+    scores = c.get_run(stage_ids["evaluate"]).data.metrics
+    for column, label in (("base", "base"), ("sft", "sft")):
+        assert table.loc[0, column] == f"{scores[f'score_{label}']:.3f}"
+    assert table.loc[0, "rl [95% CI]"].startswith(f"{scores['score_rl']:.3f} [")
+    assert table.loc[0, "gate"] == "failed" and table.loc[1, "gate"] == "passed"
+    assert all(table.loc[i, column] != "" for i in (0, 1) for column in ("sft loss", "rl reward", "base", "sft"))
 
     out = CliRunner().invoke(app, ["compare", "small", "--last", "1", "--html", str(tmp_path / "r.html"),
                                    "--root", str(project)])
     assert out.exit_code == 0, out.output
     assert new[:8] in out.output and old[:8] not in out.output
     page = (tmp_path / "r.html").read_text()
-    assert "Learning curves" in page and "data:image/png;base64" in page and "candidate score 0.9" in page
+    assert "Learning curves" in page and "data:image/png;base64" in page and "candidate score" in page
     missing = CliRunner().invoke(app, ["compare", "nothing", "--root", str(project)])
     assert missing.exit_code == 2
+
+
+def test_summary_keys_are_logged_once_prefixed():
+    assert metrics.final_metrics({"final_loss": 0.5, "reward_mean_last": 0.2}) == {
+        "final_loss": 0.5, "final_reward_mean_last": 0.2}
+    assert metrics.SFT_FINAL_LOSS == "final_loss" and metrics.RL_FINAL_REWARD == "final_reward_mean_last"

@@ -37,3 +37,5 @@ def test_accelerate_configs_parse():
     fsdp = load_config_from_file(str(REPO / "infra/accelerate/fsdp.yaml"))
     assert ddp.distributed_type == "MULTI_GPU" and fsdp.distributed_type == "FSDP"
     assert fsdp.fsdp_config["fsdp_version"] == 2
+    # the stage trains in fp32 on every launcher (bf16=False, fp16=False): no config may ask for mixed precision
+    assert ddp.mixed_precision == fsdp.mixed_precision == "no"

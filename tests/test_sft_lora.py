@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -57,7 +58,49 @@ def test_lora_adapter_loads_over_its_named_base_trainable(tiny_student, rows, tm
         assert torch.allclose(p, reference[name], atol=1e-6), name
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal; on a GPU QLoRA would run")
 def test_qlora_on_cpu_is_a_clear_error(tiny_student, rows, tmp_path):
+    # student.device cpu refuses on every machine; auto refuses where there is no GPU or no bitsandbytes
     with pytest.raises(RuntimeError, match="QLoRA\\) needs a CUDA GPU and the bitsandbytes"):
-        train_sft(tiny_student, rows, tmp_path / "sft", lora_cfg("merged", quantize="4bit"))
+        train_sft(tiny_student, rows, tmp_path / "sft", lora_cfg("merged", quantize="4bit"), device="cpu")
+    if not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None:
+        with pytest.raises(RuntimeError, match="QLoRA\\) needs a CUDA GPU and the bitsandbytes"):
+            train_sft(tiny_student, rows, tmp_path / "sft", lora_cfg("merged", quantize="4bit"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None,
+                    reason="QLoRA needs a CUDA GPU and bitsandbytes (the gpu extra); neither is here")
+@pytest.mark.parametrize("quantize", ["4bit", "8bit"])
+def test_qlora_trains_on_a_gpu_and_merges_into_a_full_precision_base(tiny_student, rows, tmp_path, quantize):
+    base, _ = load_student(tiny_student)
+    metrics = train_sft(tiny_student, rows, tmp_path / "sft", lora_cfg("merged", quantize=quantize), device="cuda")
+    assert metrics["steps"] == 6 and metrics["final_loss"] is not None
+    assert not (tmp_path / "sft" / "adapter_config.json").exists()
+    model, _ = load_student(tmp_path / "sft")
+    assert type(model).__name__ == type(base).__name__  # merged: no peft wrapper, no quantised layers
+    assert all(p.dtype == base.get_parameter(name).dtype for name, p in model.named_parameters())
+    tuned = dict(model.named_parameters())
+    changed = [name for name, p in base.named_parameters() if not torch.equal(p, tuned[name])]
+    assert changed and all("proj" in name for name in changed)
+
+
+def test_an_fsdp_save_merges_the_adapter_before_returning(tiny_student, rows, tmp_path, monkeypatch):
+    """FSDP cannot run here: the trainer is told it is sharded and saves as the FSDP gather does on one process
+    (the peft model writes its adapter); `merged` must still leave a plain checkpoint."""
+    from flywheel.train.checkpoint import save_student
+    from flywheel.train.sft import _save, build_sft_trainer
+
+    cfg = lora_cfg("merged")
+    trainer, _, _ = build_sft_trainer(tiny_student, rows, tmp_path / "sft", cfg, device="cpu")
+    trainer.train()
+    trainer.is_fsdp_enabled = True
+    saved = []
+    monkeypatch.setattr(trainer, "save_model",
+                        lambda folder: saved.append(folder) or save_student(trainer.model, trainer.processing_class,
+                                                                            folder))
+    _save(trainer, tmp_path / "sft", tiny_student, cfg)
+    assert saved and not (tmp_path / "sft" / "adapter_config.json").exists()
+    model, _ = load_student(tmp_path / "sft")
+    base, _ = load_student(tiny_student)
+    assert type(model).__name__ == type(base).__name__
+    merged = dict(model.named_parameters())
+    assert any(not torch.equal(p, merged[name]) for name, p in base.named_parameters())

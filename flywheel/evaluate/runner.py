@@ -17,11 +17,14 @@ class ContaminationError(RuntimeError):
 
 def evaluate_model(model_dir: Path, env: Environment, tasks: list[Task], label: str, *, max_turns: int,
                    tool_timeout_s: float, batch_size: int, samples: int = 0, temperature: float = 1.0,
-                   seed: int = 0) -> list[dict]:
-    """Rows of the eval table: a greedy episode per task (sample 0), then `samples` seeded sampled ones (1..k)."""
+                   seed: int = 0, device: str = "auto") -> list[dict]:
+    """Rows of the eval table: a greedy episode per task (sample 0), then `samples` seeded sampled ones (1..k).
+
+    device: student.device (auto: a CUDA GPU when one is visible, else the CPU).
+    """
     from flywheel.policies.hf import HFPolicy
 
-    policy = HFPolicy(model_dir, batch_size=batch_size)
+    policy = HFPolicy(model_dir, batch_size=batch_size, device=device)
     episodes = run_episodes(env, policy, tasks, samples=1, sampling=Sampling(temperature=0.0),
                             max_turns=max_turns, tool_timeout_s=tool_timeout_s)
     if samples:

@@ -15,12 +15,15 @@ class HFPolicy:
 
     name = "hf"
 
-    def __init__(self, model_or_path, tokenizer=None, batch_size: int = 64, device: str = "cpu"):
+    def __init__(self, model_or_path, tokenizer=None, batch_size: int = 64, device: str = "auto"):
+        """A checkpoint path is loaded onto `device` (auto: CUDA when present); a live model stays where it is."""
         if isinstance(model_or_path, (str, Path)):
+            from flywheel.devices import resolve_device
             from flywheel.train.checkpoint import load_student
 
+            target = resolve_device(device, f"hf policy for {model_or_path}")  # before loading: fail fast
             model, loaded_tokenizer = load_student(model_or_path)
-            model_or_path = model.to(device)
+            model_or_path = model.to(target)
             tokenizer = tokenizer or loaded_tokenizer
         if tokenizer is None:
             raise ValueError("HFPolicy needs a tokenizer when given a model object (or pass a checkpoint path)")

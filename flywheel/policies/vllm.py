@@ -21,7 +21,18 @@ class VLLMPolicy:
     name = "vllm"
 
     def __init__(self, model: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.85,
-                 max_model_len: int | None = None, seed: int = 0, engine_args: dict | None = None):
+                 max_model_len: int | None = None, seed: int = 0, engine_args: dict | None = None,
+                 device: str = "auto"):
+        """The engine on `device`: auto or cuda (the process's GPU), or cuda:N (made the only GPU it sees)."""
+        from flywheel.devices import gpu_index, pin_visible_gpu, resolve_device
+
+        where = f"vllm policy for {model}"
+        if device != "cpu":
+            pin_visible_gpu(device, where)  # first: CUDA reads CUDA_VISIBLE_DEVICES once, at its first query
+            device = "cuda" if gpu_index(device) is not None else device  # now the only GPU visible
+        if device == "cpu" or resolve_device(device, where) == "cpu":
+            raise RuntimeError(f"{where}: vLLM runs on a CUDA GPU only and none is visible here (use the hf "
+                               "policy on the CPU, or openai against a vLLM server)")
         try:
             from vllm import LLM
         except ImportError as err:
@@ -65,6 +76,7 @@ class VLLMPolicy:
             if generated.logprobs:  # one {token id: Logprob} per step; the sampled token is always in it
                 completion.logprobs = [step[token].logprob for step, token in zip(generated.logprobs, ids, strict=True)]
             completion.usage = {"prompt_tokens": len(output.prompt_token_ids or []), "completion_tokens": len(ids)}
-            completion.latency_s = elapsed  # one engine call serves the whole batch
+            # one engine call serves the whole batch: each turn is charged its share of it, as the hf policy does
+            completion.latency_s = elapsed / len(outputs)
             completions.append(completion)
         return completions

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flywheel.config import SFTConfig
+from flywheel.metrics import SFT_LAST_LOSS, SFT_LOSS
 from flywheel.train.checkpoint import canonical_messages, encode_conversation, load_student, save_student
 from flywheel.train.templates import training_template
 
@@ -128,17 +129,18 @@ def tokenize_records(tokenizer, records: list[dict], cfg: SFTConfig, chat_templa
 
 def train_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTConfig,
               on_log: Callable[[int, dict], None] | None = None, chat_template: str | Path | None = None,
-              accelerate_config: Path | None = None) -> dict:
+              accelerate_config: Path | None = None, device: str = "auto") -> dict:
     """Fine-tune the checkpoint in base_dir on rows of {messages, tools}; save to out_dir; return final metrics.
 
     chat_template: a .jinja file to train with (student.chat_template); accelerate_config: the file for
-    `accelerate launch` when cfg.launcher is not "single" (default infra/accelerate/<launcher>.yaml).
+    `accelerate launch` when cfg.launcher is not "single" (default infra/accelerate/<launcher>.yaml), which
+    then places the processes; device: student.device for the single launcher (auto: CUDA when present).
     """
     if cfg.launcher != "single":
         return launch_sft(base_dir, rows, out_dir, cfg, on_log, chat_template, accelerate_config)
     out_dir = Path(out_dir)
     with _quiet_progress():
-        trainer, resume, counts = build_sft_trainer(base_dir, rows, out_dir, cfg, on_log, chat_template)
+        trainer, resume, counts = build_sft_trainer(base_dir, rows, out_dir, cfg, on_log, chat_template, device)
         started = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=resume)
         runtime = time.perf_counter() - started
@@ -146,7 +148,7 @@ def train_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTCon
         _save(trainer, out_dir, base_dir, cfg)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     tokens = trainer.state.num_input_tokens_seen - trainer.tokens_at_start
-    return {"train_loss": float(result.training_loss), "final_loss": float(losses[-1]) if losses else None,
+    return {"train_loss": float(result.training_loss), SFT_LAST_LOSS: float(losses[-1]) if losses else None,
             "eval_loss": eval_loss, "steps": int(trainer.state.global_step), "runtime_s": runtime,
             "tokens": int(tokens), "tokens_per_s": tokens / runtime if runtime > 0 else 0.0,
             "resumed_from": resume, "world_size": int(trainer.args.world_size), **counts}
@@ -165,27 +167,37 @@ def _final_eval_loss(trainer) -> float | None:
 def _save(trainer, out_dir: Path, base_dir: Path | str, cfg: SFTConfig) -> None:
     """The student as cfg.lora.save says: a full checkpoint (merged) or the adapter naming its base."""
     model, tokenizer = trainer.model, trainer.processing_class
-    if trainer.is_fsdp_enabled:  # shards gathered by the trainer; the tokenizer is written beside them
-        trainer.save_model(str(out_dir))
+    merge = cfg.lora is not None and cfg.lora.save == "merged"
+    adapter = out_dir.parent / "sft-adapter"
+    if trainer.is_fsdp_enabled:
+        # Every rank takes part in gathering the shards; the trainer writes the full model (tokenizer beside it),
+        # or with LoRA the adapter, which rank 0 then folds into its base: `merged` must never leave an adapter.
+        trainer.save_model(str(adapter if merge else out_dir))
+        if merge and trainer.is_world_process_zero():
+            _merge_adapter(adapter, base_dir, tokenizer, out_dir)
         return
     if not trainer.is_world_process_zero():
         return
-    if cfg.lora is not None and cfg.lora.save == "merged":
-        if cfg.lora.quantize:  # merge into a full-precision base, never into the quantised one
-            from peft import PeftModel
+    if merge and cfg.lora.quantize:  # merge into a full-precision base, never into the quantised one
+        save_student(model, tokenizer, adapter)
+        _merge_adapter(adapter, base_dir, tokenizer, out_dir)
+        return
+    save_student(model.merge_and_unload() if merge else model, tokenizer, out_dir)
 
-            adapter = out_dir.parent / "sft-adapter"
-            save_student(model, tokenizer, adapter)
-            model = PeftModel.from_pretrained(load_student(base_dir)[0], str(adapter))
-        model = model.merge_and_unload()
+
+def _merge_adapter(adapter: Path, base_dir: Path | str, tokenizer, out_dir: Path) -> None:
+    """Fold a saved LoRA adapter into a full-precision copy of its base; save the plain checkpoint to out_dir."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(load_student(base_dir)[0], str(adapter)).merge_and_unload()
     save_student(model, tokenizer, out_dir)
 
 
 def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTConfig,
-                      on_log: Callable[[int, dict], None] | None = None, chat_template: str | Path | None = None):
+                      on_log: Callable[[int, dict], None] | None = None, chat_template: str | Path | None = None,
+                      device: str = "auto"):
     """The configured SFTTrainer (dataset tokenized, labels masked), the checkpoint to resume from, and counts."""
     import datasets
-    import torch
     from transformers import PrinterCallback, TrainerCallback
     from trl import SFTConfig as TRLConfig
     from trl import SFTTrainer
@@ -193,7 +205,8 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
     out_dir = Path(out_dir)
     if not rows:
         raise ValueError("train_sft got no rows: the synthetic dataset is empty")
-    model, tokenizer = load_student(base_dir, **_load_options(cfg))
+    on_cpu = sft_device(device) == "cpu"
+    model, tokenizer = load_student(base_dir, **_load_options(cfg, on_cpu))
     template = training_template(tokenizer, str(base_dir), getattr(model.config, "model_type", None),
                                  configured=chat_template)
     # The student ships the template it was trained with: the harness then renders exactly these tokens.
@@ -211,7 +224,7 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
         # labels are built above (assistant tokens only), so TRL neither re-tokenises nor re-masks
         assistant_only_loss=False, completion_only_loss=False, packing=False,
         # TRL's defaults are for GPUs: bf16 and activation checkpointing on. Off here (fp32).
-        use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False, gradient_checkpointing=False,
+        use_cpu=on_cpu, bf16=False, fp16=False, gradient_checkpointing=False,
         activation_checkpointing=False, logging_steps=cfg.log_every,
         eval_strategy="steps" if heldout else "no", eval_steps=cfg.eval_every,
         # About five checkpoints a run, at most 100 steps apart: a killed run loses little.
@@ -238,7 +251,7 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
             if "loss" not in logs:
                 return
             now, tokens = time.perf_counter(), state.num_input_tokens_seen
-            metrics = {"loss": logs["loss"], "learning_rate": logs.get("learning_rate", 0.0),
+            metrics = {SFT_LOSS: logs["loss"], "learning_rate": logs.get("learning_rate", 0.0),
                        "grad_norm": logs.get("grad_norm", 0.0),
                        "token_accuracy": logs.get("mean_token_accuracy", 0.0),
                        "tokens_per_s": (tokens - self.last[1]) / max(now - self.last[0], 1e-9)}
@@ -253,7 +266,18 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
     return trainer, resume, examples.counts
 
 
-def _load_options(cfg: SFTConfig) -> dict:
+def sft_device(device: str) -> str:
+    """student.device for the Trainer: cpu or cuda (the Trainer takes cuda:0; another GPU via CUDA_VISIBLE_DEVICES)."""
+    from flywheel.devices import gpu_index, resolve_device
+
+    resolved = resolve_device(device, "student.device (sft)")
+    if gpu_index(resolved):
+        raise ValueError(f"student.device: {device!r}: the SFT trainer runs on cuda:0 of the GPUs it sees; set "
+                         f"CUDA_VISIBLE_DEVICES={gpu_index(resolved)} and student.device: cuda")
+    return "cpu" if resolved == "cpu" else "cuda"
+
+
+def _load_options(cfg: SFTConfig, on_cpu: bool = False) -> dict:
     """from_pretrained options: a quantised base for QLoRA (CUDA and bitsandbytes only)."""
     if cfg.lora is None or cfg.lora.quantize is None:
         return {}
@@ -261,10 +285,10 @@ def _load_options(cfg: SFTConfig) -> dict:
 
     import torch
 
-    if not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None:
+    if on_cpu or not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None:
         raise RuntimeError(f"sft.lora.quantize: {cfg.lora.quantize} (QLoRA) needs a CUDA GPU and the "
-                           "bitsandbytes package (the `gpu` extra); on this machine use sft.lora.quantize: null "
-                           "(plain LoRA) or full fine-tuning (sft.lora: null)")
+                           "bitsandbytes package (the `gpu` extra), with student.device not cpu; on this machine "
+                           "use sft.lora.quantize: null (plain LoRA) or full fine-tuning (sft.lora: null)")
     from transformers import BitsAndBytesConfig
 
     if cfg.lora.quantize == "4bit":

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from flywheel.agent import run_episodes
 from flywheel.config import RLConfig
+from flywheel.devices import actor_device
 from flywheel.envs.base import Environment
 from flywheel.policies.base import Sampling
 from flywheel.train.rl.batch import Group, make_groups
@@ -43,8 +44,8 @@ def rollout(env: Environment, policy, tokenizer, work: Work, cfg: RLConfig, max_
     return make_groups(episodes, cfg.group_size, tokenizer, env.tools(), cfg.max_length, work.step, version)
 
 
-def actor_policy(kind: str, model_dir: Path):
-    """The actor's generation engine and tokenizer: transformers (default) or vLLM (GPU, imported lazily)."""
+def actor_policy(kind: str, model_dir: Path, device: str = "auto"):
+    """The actor's generation engine and tokenizer on `device`: transformers (default) or vLLM (GPU, lazily)."""
     if kind == "vllm":
         import os
 
@@ -54,16 +55,16 @@ def actor_policy(kind: str, model_dir: Path):
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights pushed in
         # processed logprobs: those of the tempered distribution sampled from, which IS corrects against
-        policy = VLLMPolicy(str(model_dir), engine_args={"logprobs_mode": "processed_logprobs"})
+        policy = VLLMPolicy(str(model_dir), engine_args={"logprobs_mode": "processed_logprobs"}, device=device)
         return policy, AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     from flywheel.policies.hf import HFPolicy
 
-    policy = HFPolicy(model_dir)
+    policy = HFPolicy(model_dir, device=device)
     return policy, policy.tokenizer
 
 
 def actor_main(actor: int, model_dir: str, env: Environment, cfg: RLConfig, max_turns: int, work_queue,
-               buffer, board: WeightBoard, stop) -> None:
+               buffer, board: WeightBoard, stop, device: str = "auto") -> None:
     """An actor process: take work, wait for the version it is made with, roll out, put groups; until stopped."""
     import multiprocessing
 
@@ -76,7 +77,8 @@ def actor_main(actor: int, model_dir: str, env: Environment, cfg: RLConfig, max_
         return not stop.is_set() and (parent is None or parent.is_alive())
 
     try:
-        policy, tokenizer = actor_policy(cfg.generation, Path(model_dir))
+        policy, tokenizer = actor_policy(cfg.generation, Path(model_dir),
+                                         actor_device(device, cfg.actor_devices, actor))
         version, idle = -1, 0.0
         while wanted():
             waited = time.perf_counter()
@@ -121,13 +123,13 @@ class ActorPool:
     """The actor processes (spawned, each with its own policy snapshot), their work queue and the buffer."""
 
     def __init__(self, n: int, model_dir: Path, env: Environment, cfg: RLConfig, max_turns: int,
-                 board: WeightBoard, ctx, buffer_size: int):
+                 board: WeightBoard, ctx, buffer_size: int, device: str = "auto"):
         self.work = ctx.Queue()
         self.buffer = ctx.Queue(maxsize=buffer_size)
         self.stop_event = ctx.Event()
         self.processes = [ctx.Process(target=actor_main, name=f"rl-actor-{i}", daemon=True,
                                       args=(i, str(model_dir), env, cfg, max_turns, self.work, self.buffer,
-                                            board, self.stop_event))
+                                            board, self.stop_event, device))
                           for i in range(n)]
 
     def start(self, work: list[Work]) -> None:

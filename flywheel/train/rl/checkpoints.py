@@ -22,7 +22,8 @@ from flywheel.train.checkpoint import save_student
 
 FINGERPRINT = "fingerprint.json"
 # How the work is spread over processes and threads changes no result a checkpoint holds.
-_EXECUTION_KEYS = {"steps", "checkpoint_every", "actors", "learner_threads", "actor_threads", "generation"}
+_EXECUTION_KEYS = {"steps", "checkpoint_every", "actors", "learner_threads", "actor_threads", "generation",
+                   "actor_devices"}
 
 
 def fingerprint(model_dir: Path, tasks: list[Task], cfg: RLConfig, env_name: str, max_turns: int) -> str:

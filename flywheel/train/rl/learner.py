@@ -27,6 +27,8 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     A batch with behaviour_logprobs (the actors' sampling logprobs) also gets truncated importance weights
     (cap cfg.tis_cap); with a reference model, a k3 KL penalty (cfg.kl_beta) towards it.
     """
+    device = next(model.parameters()).device
+    batch = {key: value.to(device) for key, value in batch.items()}  # collated on the CPU; learned where the model is
     model.eval()  # deterministic old log-probs (no dropout)
     old = batch_logprobs(model, batch, cfg.minibatch_size, cfg.temperature)
     ref = batch_logprobs(reference, batch, cfg.minibatch_size, cfg.temperature) if reference is not None else None

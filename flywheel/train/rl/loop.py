@@ -22,6 +22,7 @@ import torch
 
 from flywheel.config import RLConfig
 from flywheel.envs.base import Environment, Task
+from flywheel.metrics import RL_LAST_REWARD, RL_REWARD
 from flywheel.train.rl.actor import ActorPool, rollout
 from flywheel.train.rl.batch import Group, advantages_of, collate, samples_of
 from flywheel.train.rl.buffer import RolloutBuffer
@@ -48,14 +49,17 @@ def _rows(step: int, version: int, groups: list[Group], advantages: dict[int, li
 
 def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig, out_dir: Path,
              max_turns: int, on_step: Callable[[int, dict], None] | None = None,
-             checkpoint_dir: Path | None = None) -> tuple[list[dict], dict]:
+             checkpoint_dir: Path | None = None, device: str = "auto") -> tuple[list[dict], dict]:
     """GRPO-family RL from the checkpoint in model_dir; saves to out_dir; returns (rollout rows, summary).
 
     Checkpoints go to checkpoint_dir (default: `rl-checkpoints` beside out_dir); a killed run resumes there.
+    device: the learner's (student.device; auto: CUDA when present); each actor's is cfg.actor_devices[i] or it.
     """
+    from flywheel.devices import resolve_device
     from flywheel.policies.hf import HFPolicy
     from flywheel.train.checkpoint import load_student, save_student
 
+    learner_device = resolve_device(device, "student.device (the RL learner)")
     started = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.learner_threads)
@@ -65,7 +69,8 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     first = resumed.step if resumed else 0
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_student(resumed.model_dir if resumed else model_dir)
-    reference = load_student(model_dir)[0] if cfg.kl_beta > 0 else None
+    model.to(learner_device)
+    reference = load_student(model_dir)[0].to(learner_device) if cfg.kl_beta > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     shuffle = torch.Generator().manual_seed(cfg.seed)
     rows, history = [], []
@@ -88,7 +93,7 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
         board.publish(model.state_dict(), first)
         # Room for every group the staleness bound lets the actors make ahead of the learner.
         size = (cfg.max_staleness + 1) * cfg.tasks_per_step * cfg.actors
-        pool = ActorPool(cfg.actors, Path(model_dir), env, cfg, max_turns, board, ctx, size)
+        pool = ActorPool(cfg.actors, Path(model_dir), env, cfg, max_turns, board, ctx, size, device)
         pool.start(work)
         buffer = RolloutBuffer(pool.buffer, cfg.max_staleness, pool.check)
     else:  # with max_staleness > 0 an older version generates: a second copy of the model holds it
@@ -152,7 +157,8 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # kept on the CPU: a GPU holds the live model, not max_staleness + 1 copies of it
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig, wait_s: float,
@@ -163,7 +169,7 @@ def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig
     generate_s = sum(g.generate_s for g in groups + stale)
     idle_s = sum(g.idle_s for g in groups + stale)
     step_s = wait_s + learn_s
-    metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+    metrics = {RL_REWARD: float(rewards.mean()), "reward_std": float(rewards.std()),
                "pass_rate": float(np.mean([r.passed for r in rollouts])) if rollouts else 0.0,
                "groups": len(groups), "dropped_groups": len(stale),
                "skipped_groups": sum(len({r.reward for r in g.rollouts}) == 1 for g in groups),
@@ -195,7 +201,7 @@ def _summary(cfg: RLConfig, rows: list[dict], history: list[dict], totals: dict,
                "actor_idle_fraction": totals["actor_idle_s"] / max(totals["actor_idle_s"] + totals["generate_s"],
                                                                    1e-9)}
     if history:
-        summary |= {"reward_mean_first": history[0]["reward_mean"], "reward_mean_last": history[-1]["reward_mean"],
+        summary |= {"reward_mean_first": history[0][RL_REWARD], RL_LAST_REWARD: history[-1][RL_REWARD],
                     "pass_rate_mean": float(np.mean([m["pass_rate"] for m in history])),
                     "skipped_groups": int(sum(m["skipped_groups"] for m in history)),
                     "dropped_groups": int(sum(m["dropped_groups"] for m in history)),

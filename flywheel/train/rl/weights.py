@@ -21,7 +21,8 @@ class WeightBoard:
     """
 
     def __init__(self, state_dict: dict[str, torch.Tensor], ctx, slots: int = 1):
-        self.slots = [{k: v.detach().clone().contiguous().share_memory_() for k, v in state_dict.items()}
+        # on the CPU whatever the learner's device: shared memory reaches actors on any device (or none)
+        self.slots = [{k: v.detach().to("cpu", copy=True).contiguous().share_memory_() for k, v in state_dict.items()}
                       for _ in range(slots)]
         self.held = ctx.Array("q", [-1] * slots, lock=False)  # the version in each slot; guarded by cond
         self.version = ctx.Value("q", -1, lock=False)  # the newest published

@@ -1,0 +1,29 @@
+"""Names of the metrics one part logs and another reads back: the stages write them, `flywheel compare` reads them.
+
+A training stage logs its per-step metrics under their bare names (the learning curves) and its end-of-run
+summary once, each key as `final_<key>` (final_metrics). Writer and reader both take the names from here, so a
+renamed key breaks the test that reads real stage runs instead of leaving a blank column.
+"""
+
+from __future__ import annotations
+
+FINAL = "final_"  # the prefix of a training stage's end-of-run summary
+
+SFT_LOSS = "loss"  # per SFT logging step: the training loss (the SFT learning curve)
+RL_REWARD = "reward_mean"  # per RL step: the mean reward of the step's rollouts (the RL learning curve)
+SFT_LAST_LOSS = "final_loss"  # train_sft's summary: the last logged training loss
+RL_LAST_REWARD = "reward_mean_last"  # train_rl's summary: the last step's reward_mean
+
+
+def final_name(key: str) -> str:
+    """The name a summary key is logged under: `final_<key>`, the prefix once (final_loss stays final_loss)."""
+    return key if key.startswith(FINAL) else FINAL + key
+
+
+def final_metrics(summary: dict) -> dict:
+    """A training run's summary as its stage logs it (final_name on every key)."""
+    return {final_name(key): value for key, value in summary.items()}
+
+
+SFT_FINAL_LOSS = final_name(SFT_LAST_LOSS)  # what `flywheel compare` shows as "sft loss"
+RL_FINAL_REWARD = final_name(RL_LAST_REWARD)  # what `flywheel compare` shows as "rl reward"
