@@ -73,9 +73,11 @@ def project(tmp_path, mlflow_store) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for folder in ("flywheel", "tasks", "flows", "examples"):
         shutil.copytree(REPO / folder, root / folder, ignore=ignore)
-    shutil.copy(REPO / "dvc.yaml", root / "dvc.yaml")
     shutil.copy(REPO / ".dvcignore", root / ".dvcignore")
     (root / "pipelines.yaml").write_text(SMALL_PIPELINE)
+    from tasks.spec import dvc_yaml
+
+    (root / "dvc.yaml").write_text(dvc_yaml(root))  # its collect deps follow this pipelines.yaml's sources
     (root / ".gitignore").write_text("/data/\n/models/\n/.flywheel/\n")
     _run(["git", "init", "-q", "-b", "main"], root)
     _run([sys.executable, "-m", "dvc", "init", "-q"], root)
