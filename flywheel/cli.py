@@ -172,7 +172,8 @@ def rerun(run_id: str = typer.Argument(..., help="MLflow run id of a retrain run
         console.print(f"code that differs from the recorded run's: {', '.join(report.code_changes)}")
     for warning in report.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
-    verdict = ("datasets identical" if report.datasets_identical else "[red]datasets differ[/]") + ", " + \
+    verdict = ("datasets and models identical" if report.datasets_identical
+               else "[red]datasets or models differ[/]") + ", " + \
         ("scores within noise" if report.scores_within_noise else "[red]scores outside noise[/]")
     console.print(f"{verdict}; workspace {report.workspace}")
     if not report.reproduced:

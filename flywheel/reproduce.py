@@ -258,8 +258,8 @@ class RerunReport:
 
     @property
     def datasets_identical(self) -> bool:
-        """Every dataset (data/, the measured eval table aside) has the recorded md5."""
-        return all(o.verdict != "differs" for o in self.outputs if o.path.startswith("data/"))
+        """Every dataset and every model (data/ and models/, the measured eval table aside) has the recorded md5."""
+        return bool(self.outputs) and all(o.verdict != "differs" for o in self.outputs)
 
     @property
     def scores_within_noise(self) -> bool:

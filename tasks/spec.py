@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import flywheel
-from flywheel.config import PipelineConfig, load_pipeline
+from flywheel.config import PipelineConfig, load_pipeline, load_pipelines
 from flywheel.data.catalog import content_hash
 from flywheel.data.sources import local_files
 
@@ -76,19 +77,61 @@ def output_hashes(stage: str, pipeline: str, root: Path) -> dict[str, str]:
     return {out.format(p=pipeline): content_hash([root / out.format(p=pipeline)], root) for out in STAGES[stage].outs}
 
 
-def dvc_yaml() -> str:
-    """dvc.yaml as these specs imply it (`python -m tasks.spec > dvc.yaml`); tests/test_spec.py compares."""
+_GLOB = set("*?[")
+
+
+def source_deps(cfg: PipelineConfig) -> list[str]:
+    """The DVC deps that stand for a pipeline's local trace sources: each glob's folder before its first wildcard.
+
+    DVC deps cannot be globs, so a folder stands for the files its glob matches (a file there that the glob
+    does not match also counts as a change: a rerun too many, never one too few). S3 and MLflow sources are no
+    DVC deps: the Prefect cache key fingerprints them (tasks/collect.py).
+    """
+    found: list[str] = []
+    for source in cfg.collect.sources:
+        for pattern in source.path or []:
+            parts = Path(pattern).parts
+            static = next((i for i, part in enumerate(parts) if _GLOB & set(part)), len(parts))
+            found.append(str(Path(*parts[:static])) if static else ".")
+    # a folder inside another one listed adds nothing (and DVC refuses overlapping deps)
+    found = sorted(set(found))
+    return [d for d in found if not any(d != o and Path(d).is_relative_to(o) for o in found)]
+
+
+def dvc_yaml(root: Path = PACKAGE_ROOT) -> str:
+    """dvc.yaml as these specs and root/pipelines.yaml imply it (`python -m tasks.spec > dvc.yaml`).
+
+    Every stage is a `foreach` over the pipelines, so `collect@demo`, `sft@demo`, ... Collect's deps differ per
+    pipeline (its own sources), and a `foreach` template has one deps list for all: collect iterates over a
+    table written here, pipeline -> its source folders, each in a slot of the template. tests/test_spec.py
+    checks the project's dvc.yaml against this; after changing a pipeline's sources or adding a pipeline,
+    generate it again.
+    """
+    pipelines = load_pipelines(root / "pipelines.yaml")
+    sources = {name: source_deps(cfg) for name, cfg in pipelines.items()}
+    # every pipeline fills every slot; one with fewer folders repeats its first dep (DVC accepts a path twice)
+    slots = max((len(deps) for deps in sources.values()), default=0)
     lines = [
         "# One DVC stage per pipeline stage and per pipeline in pipelines.yaml (`collect@demo`, `sft@demo`, ...).",
         "# Prefect runs the same stage functions (`flywheel run`); after each it commits the outputs here as",
         "# `dvc repro` would, so `dvc status` is clean after a run and `dvc repro` reruns only what changed.",
-        "# Generated from tasks/spec.py (the Prefect cache keys): `python -m tasks.spec > dvc.yaml`.",
-        "# collect also reads the files its `sources` match; DVC deps cannot be globs, so the folder is named.",
+        "# Generated from tasks/spec.py (the Prefect cache keys) and pipelines.yaml: `python -m tasks.spec > dvc.yaml`",
+        "# again after adding a pipeline or changing a pipeline's collect sources.",
         "vars:", "  - pipelines.yaml", "", "stages:"]
     for spec in STAGES.values():
-        lines += [f"  {spec.name}:", "    foreach: ${pipelines}", "    do:",
-                  f"      cmd: flywheel stage {spec.name} --pipeline ${{key}}", "      deps:"]
-        extra = ["examples/traces"] if spec.name == "collect" else []
+        lines.append(f"  {spec.name}:")
+        extra: list[str] = []
+        if spec.name == "collect":
+            # collect reads the folders its local sources' globs are in; DVC deps cannot be globs
+            lines.append("    foreach:")
+            for name, deps in sources.items():
+                filled = deps or [spec.code[0]]  # remote sources only: a dep the stage has anyway
+                filled = filled + filled[:1] * (slots - len(filled))
+                lines += [f"      {name}:", f"        sources: {json.dumps(filled)}"]
+            extra = [f"${{item.sources[{i}]}}" for i in range(slots)]
+        else:
+            lines.append("    foreach: ${pipelines}")
+        lines += ["    do:", f"      cmd: flywheel stage {spec.name} --pipeline ${{key}}", "      deps:"]
         lines += [f"        - {d}" for d in extra + [d.replace("{p}", "${key}") for d in spec.deps] + list(spec.code)]
         if spec.config:
             lines += ["      params:", "        - pipelines.yaml:"]
@@ -103,4 +146,6 @@ def dvc_yaml() -> str:
 
 
 if __name__ == "__main__":
-    print(dvc_yaml(), end="")
+    import sys
+
+    print(dvc_yaml(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")), end="")

@@ -65,24 +65,30 @@ def _run(cmd: list[str], cwd: Path) -> None:
     subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True)
 
 
-@pytest.fixture
-def project(tmp_path, mlflow_store) -> Path:
-    """A project checkout in a temporary git repo with DVC (local remote) and the small pipeline."""
-    root = tmp_path / "project"
-    root.mkdir()
+def make_project(root: Path, remote: Path) -> Path:
+    """A project checkout at root in a new git repo with DVC (a local remote) and the small pipeline."""
+    root.mkdir(parents=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for folder in ("flywheel", "tasks", "flows", "examples"):
         shutil.copytree(REPO / folder, root / folder, ignore=ignore)
-    shutil.copy(REPO / "dvc.yaml", root / "dvc.yaml")
     shutil.copy(REPO / ".dvcignore", root / ".dvcignore")
     (root / "pipelines.yaml").write_text(SMALL_PIPELINE)
+    from tasks.spec import dvc_yaml
+
+    (root / "dvc.yaml").write_text(dvc_yaml(root))  # its collect deps follow this pipelines.yaml's sources
     (root / ".gitignore").write_text("/data/\n/models/\n/.flywheel/\n")
     _run(["git", "init", "-q", "-b", "main"], root)
     _run([sys.executable, "-m", "dvc", "init", "-q"], root)
-    _run([sys.executable, "-m", "dvc", "remote", "add", "-d", "local", str(tmp_path / "dvc-remote")], root)
+    _run([sys.executable, "-m", "dvc", "remote", "add", "-d", "local", str(remote)], root)
     _run(["git", "add", "-A"], root)
     _run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "project"], root)
     return root
+
+
+@pytest.fixture
+def project(tmp_path, mlflow_store) -> Path:
+    """A project checkout in a temporary git repo with DVC (local remote) and the small pipeline."""
+    return make_project(tmp_path / "project", tmp_path / "dvc-remote")
 
 
 @pytest.fixture(scope="session")

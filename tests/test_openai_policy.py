@@ -81,29 +81,35 @@ def test_retry_after_is_honoured(openai_server):
 def test_retry_after_forms():
     assert _retry_after_s({"retry-after": "2"}) == 2.0
     assert _retry_after_s({"retry-after-ms": "1500", "retry-after": "9"}) == 1.5
-    later = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
-    assert 25 < _retry_after_s({"retry-after": later}) <= 30
+    # an HTTP date has whole seconds: the wait is that moment less the clock at the call, whatever the load
+    when = (datetime.now(UTC) + timedelta(seconds=30)).replace(microsecond=0)
+    before = datetime.now(UTC)
+    wait = _retry_after_s({"retry-after": format_datetime(when, usegmt=True)})
+    after = datetime.now(UTC)
+    assert (when - after).total_seconds() <= wait <= (when - before).total_seconds()
     assert _retry_after_s({"retry-after": "soon"}) is None and _retry_after_s({}) is None
 
 
 def test_circuit_breaker_stops_a_dead_endpoint_fast(openai_server):
     openai_server.stop()  # nothing listens on the port any more
     teacher = policy(openai_server, backoff_s=0.5, max_backoff_s=5.0, max_retries=6, breaker_failures=5)
-    started = time.monotonic()
     with pytest.raises(TeacherError, match=r"looks down: 5 attempts in a row failed .* connection failed"):
         teacher.generate([t.prompt for t in tasks(20)], ENV.tools(), Sampling())
-    # without the breaker: 20 requests x 7 attempts with up to ~30 s of backoff each
-    assert time.monotonic() - started < 5 and teacher.stats["requests"] <= 8
+    # without the breaker: 20 requests x 7 attempts (140), with up to ~30 s of backoff each; counted, not timed
+    # (timings are in benchmarks/, where a loaded machine cannot fail a test)
+    assert teacher.stats["requests"] <= 8 and teacher.stats["connection_errors"] == teacher.stats["requests"]
 
 
 def test_an_open_breaker_does_not_wait_for_requests_still_hanging(openai_server):
     openai_server.hang_s = 30.0
     openai_server.inject("hang", *["500"] * 10)
     teacher = policy(openai_server, timeout_s=30.0, breaker_failures=3)
-    started = time.monotonic()
     with pytest.raises(TeacherError, match="3 attempts in a row failed .* HTTP 500"):
         teacher.generate([t.prompt for t in tasks(4)], ENV.tools(), Sampling())
-    assert time.monotonic() - started < 5  # the hanging request is cancelled, not waited out for 30 s
+    # the hanging request was cancelled when the breaker opened: waited out (30 s), it would end as a timeout
+    # or as the server's late 504, one more error
+    assert teacher.stats["timeouts"] == 0 and teacher.stats["server_errors"] == 3
+    assert openai_server.seen_faults["hang"] == 1
 
 
 def test_a_refused_key_stops_with_a_clear_error_that_hides_the_key(openai_server, monkeypatch):

@@ -17,21 +17,21 @@ GATE = GateConfig(min_score=0.5, mode="non_inferior", margin=0.03, max_slice_reg
                   bootstrap_samples=500, confidence=0.95, seed=0)
 
 
-def _eval_table(folder: Path, solved: int, tasks: int = 40) -> Path:
-    """An eval table whose candidate rows solve the first `solved` of `tasks` held-out tasks."""
-    rows = [{"task_id": f"t{i:03d}", "sample": 0, "reward": float(i < solved), "passed": i < solved,
+def _eval_table(folder: Path, solved: int, tasks: int = 40, first: int = 0) -> Path:
+    """An eval table whose candidate rows solve the first `solved` of `tasks` held-out tasks (t<first>...)."""
+    rows = [{"task_id": f"t{first + i:03d}", "sample": 0, "reward": float(i < solved), "passed": i < solved,
              "slice": "even" if i % 2 == 0 else "odd", "model": "rl"} for i in range(tasks)]
     path = folder / "eval.parquet"
     pd.DataFrame(rows).to_parquet(path, index=False)
     return path
 
 
-def _version(tmp_path: Path, label: str, solved: int | None, name: str = "p") -> str:
+def _version(tmp_path: Path, label: str, solved: int | None, name: str = "p", first: int = 0) -> str:
     """Register a model version with (or without, when solved is None) a stored eval table."""
     folder = tmp_path / label
     (folder / "model").mkdir(parents=True)
     (folder / "model" / "config.json").write_text(f'{{"id": "{label}"}}')
-    table = _eval_table(folder, solved) if solved is not None else None
+    table = _eval_table(folder, solved, first=first) if solved is not None else None
     run = registry.start_run(tmp_path, name, "register")
     return registry.register(run, name, folder / "model", f"hash-{label}", {}, ["challenger"],
                              eval_table=table).version
@@ -91,6 +91,68 @@ def test_concurrent_promotions_leave_one_champion_the_better(tmp_path, mlflow_st
     assert champion.version == versions["better"]
     holders = [v for v in versions.values() if "champion" in registry.get_version("p", v).aliases]
     assert len(holders) == 1
+
+
+def test_a_promotion_waits_for_one_that_read_the_champion_before_it(tmp_path, mlflow_store, monkeypatch):
+    """The interleaving forced: `worse` reads "no champion" and pauses before setting the alias; `better` then
+    tries. With the lock `better` cannot read until `worse` is done, so it is gated against `worse`; without
+    it both would act on "no champion" and one would overwrite (or trip over) the other."""
+    versions = {"worse": _version(tmp_path, "worse", 30), "better": _version(tmp_path, "better", 39)}
+    real_get_alias = promotion.get_alias
+    first_read, second_read = threading.Event(), threading.Event()
+    state = threading.local()
+
+    def get_alias_then_pause(name: str, alias: str):
+        found = real_get_alias(name, alias)
+        if not getattr(state, "read", False):  # the read in promote(), not the check in _set_champion
+            state.read = True
+            if threading.current_thread().name == "worse":
+                first_read.set()
+                second_read.wait(timeout=3)  # time enough for `better` to read, unless the lock holds it
+            else:
+                second_read.set()
+        return found
+
+    monkeypatch.setattr(promotion, "get_alias", get_alias_then_pause)
+    outcomes, errors = {}, []
+
+    def attempt(label: str) -> None:
+        try:
+            decision = promotion.gate_against_champion("p", versions[label], None, GATE)
+            outcomes[label] = promotion.promote("p", versions[label], GATE, decision=decision,
+                                                judged_against=None)
+        except Exception as err:  # noqa: BLE001 -- reported below
+            errors.append(err)
+
+    worse = threading.Thread(target=attempt, args=("worse",), name="worse")
+    worse.start()
+    assert first_read.wait(timeout=60)
+    better = threading.Thread(target=attempt, args=("better",), name="better")
+    better.start()
+    for thread in (worse, better):
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert outcomes["worse"].promoted and outcomes["worse"].previous is None
+    assert outcomes["better"].promoted and outcomes["better"].previous == versions["worse"]
+    assert "gated again" in outcomes["better"].reasons[0], "judged against the champion `worse` had just set"
+    assert registry.get_alias("p", "champion").version == versions["better"]
+    tags = MlflowClient().get_model_version("p", versions["better"]).tags
+    assert tags["flywheel.previous_champion"] == versions["worse"]
+
+
+def test_regating_fails_closed_when_the_held_out_sets_differ(tmp_path, mlflow_store):
+    """Two runs evaluated on other held-out tasks: their stored tables do not pair, so no promotion."""
+    champion = _version(tmp_path, "champion", 30)
+    other = _version(tmp_path, "other", 40, first=100)  # better, on tasks t100..t139
+    promotion.promote("p", champion, GATE)
+    passed = promotion.gate_against_champion("p", other, None, GATE)
+    assert passed.passed, "alone it clears the absolute rule"
+    outcome = promotion.promote("p", other, GATE, decision=passed, judged_against=None)
+    assert not outcome.promoted and registry.get_alias("p", "champion").version == champion
+    assert "gated again" in outcome.reasons[0]
+    assert any("do not pair by (task_id, sample): 40 rows only in the candidate's, 40 only in the champion's" in r
+               for r in outcome.reasons), outcome.reasons
+    assert not promotion.promote("p", other, GATE).promoted  # gated from the stored tables directly: the same
 
 
 def test_forced_promotion_is_tagged_and_rollback_returns(tmp_path, mlflow_store):

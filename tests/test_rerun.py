@@ -59,8 +59,16 @@ def test_a_rerun_reproduces_the_recorded_datasets_byte_for_byte(project, prefect
     report = json.loads(registry.recorded_text(rerun.info.run_id, "flywheel/rerun.json"))
     outputs = {o["path"]: o for o in report["outputs"]}
     assert outputs["data/small/collect"]["verdict"] == "restored"
-    for path in ("data/small/collect", "data/small/synthesize", "data/small/rl", "models/small/sft"):
+    # every dataset and every model the recorded run wrote, byte for byte (the eval table aside: latency)
+    recorded_outs = {o["path"] for entry in lock.values() for o in entry.get("outs", [])
+                     if not o["path"].startswith("data/small/register")}
+    assert recorded_outs == {f"data/small/{s}" for s in ("collect", "synthesize", "rl", "evaluate")} | \
+        {f"models/small/{m}" for m in ("base", "sft", "rl")}
+    assert set(outputs) == recorded_outs
+    for path in sorted(recorded_outs - {"data/small/evaluate"}):
         assert outputs[path]["reproduced"] == outputs[path]["recorded"] == lock_md5(lock, path), path
+        assert outputs[path]["verdict"] in ("identical", "restored"), outputs[path]
+    assert report["datasets_identical"] and report["reproduced"]
     assert outputs["data/small/evaluate"]["verdict"] in ("identical", "measured")  # eval holds measured latency
     assert {s["model"] for s in report["scores"]} == {"base", "sft", "rl"}
     assert all(s["within_noise"] and s["low"] <= 0 <= s["high"] and s["how"] == f"paired on {heldout} tasks"
@@ -171,6 +179,19 @@ def test_verdicts_name_what_differs_and_scores_are_paired(tmp_path):
     checks = {c.path: c for c in compare_outputs(recorded, ws, cache, ["synthesize", "evaluate"], [])}
     assert checks["data/p/synthesize"].verdict == "identical"
     assert checks["data/p/evaluate"].verdict == "differs" and "heldout.parquet" in checks["data/p/evaluate"].note
+
+    # a model counts as much as a dataset: identical data and one model that differs is no reproduction
+    recorded.lock["sft@p"] = {"outs": [{"path": "models/p/sft", **_folder(cache, "a" * 32 + ".dir",
+                                                                          {"model.safetensors": "m1"})}]}
+    (ws / "dvc.lock").write_text(yaml.safe_dump({"stages": {
+        **lock("s1", "e1", "h1"), "sft@p": {"outs": [{"path": "models/p/sft", **_folder(
+            cache, "b" * 32 + ".dir", {"model.safetensors": "m2"})}]}}}))
+    checks = compare_outputs(recorded, ws, cache, ["synthesize", "sft", "evaluate"], [])
+    assert {c.path: c.verdict for c in checks} == {"data/p/synthesize": "identical", "models/p/sft": "differs",
+                                                  "data/p/evaluate": "identical"}
+    assert "model.safetensors" in checks[1].note
+    assert not RerunReport("r", "n", "p", ws, checks, []).datasets_identical
+    assert not RerunReport("r", "n", "p", ws, [], []).datasets_identical, "nothing compared is no verdict"
 
     # scores: the same rewards are within noise; a model that now fails a third of the tasks is not
     tasks = [f"t{i}" for i in range(60)]

@@ -38,7 +38,12 @@ def test_sft_stage_logs_steps_eval_loss_inputs_and_origins(project):
     accepted = synthetic[synthetic["accepted"]]
     assert metrics["conversations_from_traces"] == (accepted["teacher"] == "trace").sum() > 0
     assert metrics["conversations_from_teacher"] + metrics["conversations_from_traces"] == len(accepted)
-    assert metrics["final_truncated"] + metrics["final_dropped_long"] >= 0 and metrics["final_eval_examples"] > 0
+    # every accepted conversation is accounted for: trained on, held out for the eval loss, or dropped
+    assert metrics["final_conversations"] == len(accepted)
+    assert metrics["final_train_examples"] + metrics["final_eval_examples"] + metrics["final_dropped_long"] + \
+        metrics["final_dropped_no_target"] == len(accepted)
+    assert metrics["final_eval_examples"] > 0 and metrics["final_train_examples"] > 0
+    assert metrics["final_dropped_no_target"] <= metrics["final_truncated"], "only a cut can leave no target"
     [data] = run.inputs.dataset_inputs
     assert data.dataset.name == "small-synthetic"
     assert data.dataset.digest == dvc_md5(project / "data" / "small" / "synthesize")

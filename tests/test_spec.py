@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 import yaml
 
-from tasks.spec import ORDER, STAGES, dvc_yaml
+from tasks.spec import ORDER, STAGES, dvc_yaml, source_deps
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_dvc_yaml_is_generated_from_the_stage_specs():
-    assert (REPO / "dvc.yaml").read_text() == dvc_yaml(), "run `python -m tasks.spec > dvc.yaml`"
+    assert (REPO / "dvc.yaml").read_text() == dvc_yaml(REPO), "run `python -m tasks.spec > dvc.yaml`"
     stages = yaml.safe_load(dvc_yaml())["stages"]
     assert list(stages) == ORDER
     for name, spec in STAGES.items():
@@ -24,3 +29,62 @@ def test_every_code_dependency_exists():
     for spec in STAGES.values():
         for path in spec.code:
             assert (REPO / path).exists(), f"{spec.name}: {path}"
+
+
+def test_generating_needs_the_pipelines_file_it_follows(tmp_path):
+    from flywheel.config import ConfigError
+
+    with pytest.raises((ConfigError, FileNotFoundError)):
+        dvc_yaml(tmp_path)
+
+
+def test_source_deps_are_the_folders_before_the_first_wildcard():
+    from flywheel.config import CollectConfig
+
+    cfg = SimpleNamespace(collect=CollectConfig(sources=[
+        "logs/a/*.jsonl", "logs/a/deep/**/*.jsonl", "exports/2026-*/x.json", "one/file.jsonl",
+        {"s3": "s3://bucket/prefix/"}]))
+    assert source_deps(cfg) == ["exports", "logs/a", "one/file.jsonl"]
+
+
+def _two_pipelines(project: Path) -> None:
+    """Pipeline `one` reads logs/one, `two` logs/two and an S3 prefix, `three` only S3."""
+    config = yaml.safe_load((project / "pipelines.yaml").read_text())
+    small = config["pipelines"].pop("small")
+    for name, sources in (("one", ["logs/one/*.jsonl"]), ("two", ["logs/two/*.jsonl", {"s3": "s3://b/t/"}]),
+                          ("three", [{"s3": "s3://b/t/"}])):
+        config["pipelines"][name] = {**small, "collect": {**small["collect"], "sources": sources}}
+        (project / "data" / name / "collect").mkdir(parents=True)
+        (project / "data" / name / "collect" / "traces.parquet").write_text(name)  # stands for the output
+    for name in ("one", "two"):
+        (project / "logs" / name).mkdir(parents=True)
+        (project / "logs" / name / "a.jsonl").write_text("{}\n")
+    (project / "pipelines.yaml").write_text(yaml.safe_dump(config))
+
+
+def test_each_pipelines_collect_stage_depends_on_its_own_sources_in_real_dvc(project):
+    """dvc.yaml generated for three pipelines, read by the real `dvc`: a change under one pipeline's sources
+    makes only that pipeline's collect stage stale."""
+    _two_pipelines(project)
+    (project / "dvc.yaml").write_text(dvc_yaml(project))
+    stages = yaml.safe_load((project / "dvc.yaml").read_text())["stages"]
+    assert stages["collect"]["foreach"] == {"one": {"sources": ["logs/one"]}, "two": {"sources": ["logs/two"]},
+                                            "three": {"sources": ["tasks/collect.py"]}}
+
+    def dvc(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    for name in ("one", "two", "three"):
+        dvc("commit", "--force", f"collect@{name}")
+    lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+    deps = {key: [d["path"] for d in entry["deps"]] for key, entry in lock.items()}
+    assert "logs/one" in deps["collect@one"] and "logs/two" not in deps["collect@one"]
+    assert "logs/two" in deps["collect@two"] and "logs/one" not in deps["collect@two"]
+    assert not any(d.startswith(("logs", "examples")) for d in deps["collect@three"])
+    assert json.loads(dvc("status", "--json", "collect@one", "collect@two", "collect@three")) == {}
+
+    (project / "logs/two/b.jsonl").write_text("{}\n")  # a new file of pipeline two only
+    stale = json.loads(dvc("status", "--json", "collect@one", "collect@two", "collect@three"))
+    assert set(stale) == {"collect@two"}, stale

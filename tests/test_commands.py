@@ -1,0 +1,124 @@
+"""The commands as a user types them (`flywheel run`, `flywheel stage` through `dvc repro`, `dvc status`), each a
+subprocess on one project: what runs again after a code change, a moved folder, a new champion, a new param.
+
+The subprocesses import the project's own copy of the code (PYTHONPATH), so editing a file there is a code
+change the stages' cache keys and DVC both see. One full run is shared by every test here, in order.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import make_project
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+
+
+class Project:
+    """The project folder (it moves), its environment, and the commands run in it."""
+
+    def __init__(self, root: Path, state: Path, api_url: str):
+        self.root, self.state, self.api_url = root, state, api_url
+
+    def env(self) -> dict:
+        return {**os.environ, "PYTHONPATH": str(self.root), "PATH": f"{BIN}:{os.environ['PATH']}",
+                "COLUMNS": "200",  # rich wraps at 80 otherwise
+                "MLFLOW_TRACKING_URI": f"sqlite:///{self.state / 'mlflow.db'}",
+                "PREFECT_HOME": str(self.state / "prefect"),
+                "PREFECT_API_URL": self.api_url,  # the session's server: no ephemeral one to start per command
+                "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(self.state / "prefect-results")}
+
+    def command(self, *args: str) -> str:
+        done = subprocess.run(list(args), cwd=self.root, env=self.env(), capture_output=True, text=True,
+                              timeout=900)
+        assert done.returncode == 0, f"{args}: {done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return done.stdout
+
+    def run(self) -> tuple[list[str], list[str]]:
+        """`flywheel run small`: (stages that ran, stages answered from the cache)."""
+        out = self.command(str(BIN / "flywheel"), "run", "small", "--no-push")
+        found = re.search(r"stages run: (.*?); cached: (.*?);", out)
+        assert found, out[-3000:]
+        ran, cached = (part.split(", ") if part != "none" else [] for part in found.groups())
+        return ran, cached
+
+    def dvc(self, *args: str) -> str:
+        return self.command(sys.executable, "-m", "dvc", *args)
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory, prefect_server) -> Project:
+    """The small pipeline's project after one full `flywheel run`."""
+    from prefect.settings import PREFECT_API_URL
+
+    base = tmp_path_factory.mktemp("commands")
+    project = Project(make_project(base / "project", base / "dvc-remote"), base / "state", PREFECT_API_URL.value())
+    ran, cached = project.run()
+    assert ran == ["collect", "synthesize", "sft", "rl", "evaluate", "register"] and cached == []
+    assert "up to date" in project.dvc("status")
+    return project
+
+
+def test_a_moved_project_answers_every_stage_from_the_cache(ran):
+    """Cache keys are made of content, never of paths: the same project elsewhere runs nothing."""
+    moved = ran.root.parent / "moved" / "elsewhere"
+    moved.parent.mkdir()
+    shutil.move(ran.root, moved)
+    ran.root = moved
+    done, cached = ran.run()
+    assert done == [] and cached == ["collect", "synthesize", "sft", "rl", "evaluate", "register"]
+    assert "up to date" in ran.dvc("status")
+
+
+def test_a_changed_code_file_runs_its_stage_and_those_after_it(ran):
+    """A comment in tasks/evaluate.py: evaluate runs (its code changed) and register after it (evaluate's
+    output changed: the eval table holds measured latency); the stages before come from the cache."""
+    path = ran.root / "tasks/evaluate.py"
+    path.write_text(path.read_text() + "\n# a change to the stage's code\n")
+    assert "tasks/evaluate.py" in ran.dvc("status")  # DVC sees the same change
+    done, cached = ran.run()
+    assert done == ["evaluate", "register"] and cached == ["collect", "synthesize", "sft", "rl"]
+    assert "up to date" in ran.dvc("status")
+
+
+def test_a_new_champion_alone_reruns_evaluate_and_register(ran, monkeypatch):
+    """Nothing in the project changes, only who is champion: evaluate scores the candidate against the new
+    one; register runs too, because it reads evaluate's output (the gate decision), which changed."""
+    from flywheel import promotion, registry
+    from flywheel.config import GateConfig
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", ran.env()["MLFLOW_TRACKING_URI"])
+    before = registry.get_alias("small", "champion").version
+    model = ran.root.parent / "other-champion"
+    shutil.copytree(ran.root / "models/small/sft", model)  # a real checkpoint, not the candidate
+    record = registry.start_run(ran.root, "small", "register")
+    other = registry.register(record, "small", model, "hash-other-champion", {}, []).version
+    record.end(ok=True)
+    assert promotion.promote("small", other, GateConfig(), force=True).promoted and other != before
+
+    done, cached = ran.run()
+    assert done == ["evaluate", "register"] and cached == ["collect", "synthesize", "sft", "rl"]
+    gate = yaml.safe_load((ran.root / "data/small/evaluate/gate.json").read_text())
+    assert gate["champion_version"] == other
+
+
+def test_dvc_repro_runs_flywheel_stage_for_what_changed(ran):
+    """`dvc repro` after a gate parameter change: the commands in dvc.yaml (`flywheel stage evaluate`,
+    `flywheel stage register`) run, and nothing else."""
+    config = yaml.safe_load((ran.root / "pipelines.yaml").read_text())
+    config["pipelines"]["small"]["gate"]["margin"] = 0.4
+    (ran.root / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    out = ran.dvc("repro")
+    ran_stages = re.findall(r"Running stage '(\w+)@small'", out)
+    assert ran_stages == ["evaluate", "register"], out[-3000:]
+    assert "evaluate: done (MLflow run" in out and "register: done (MLflow run" in out  # `flywheel stage`
+    assert "up to date" in ran.dvc("status")
+    assert "Data and pipelines are up to date" in ran.dvc("repro")
