@@ -235,7 +235,22 @@ def check(root: Path = ROOT) -> None:
         pipelines = load_pipelines(root / "pipelines.yaml")
     except ConfigError as err:
         _fail(str(err))
+    stale = _stale_dvc_yaml(root)
+    if stale:
+        _fail(stale)
     typer.echo(f"{root / 'pipelines.yaml'}: ok ({', '.join(sorted(pipelines))})")
+
+
+def _stale_dvc_yaml(root: Path) -> str | None:
+    """Why root/dvc.yaml no longer matches pipelines.yaml and the stage specs, or None (also: no dvc.yaml)."""
+    from tasks.spec import dvc_yaml
+
+    path = root / "dvc.yaml"
+    if not path.exists() or path.read_text() == dvc_yaml(root):
+        return None
+    return (f"{path} is out of date with {root / 'pipelines.yaml'} (a pipeline or its collect sources changed, or "
+            "the stages' code deps did), so `dvc repro` would track the wrong inputs; regenerate it: "
+            "python -m tasks.spec > dvc.yaml")
 
 
 RESULTS = typer.Option(None, "--results", envvar="FLYWHEEL_RESULTS_URL",

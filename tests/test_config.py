@@ -99,3 +99,20 @@ def test_cli_check_prints_the_errors(tmp_path):
     result = CliRunner().invoke(app, ["check", "--root", str(tmp_path)])
     assert result.exit_code == 2
     assert "unknown key 'pipelines.demo.gate.min_scor'" in result.output
+
+
+def test_cli_check_fails_while_dvc_yaml_is_out_of_date(tmp_path):
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+    from tasks.spec import dvc_yaml
+
+    data = _demo()
+    _write(tmp_path, data)
+    (tmp_path / "dvc.yaml").write_text(dvc_yaml(tmp_path))
+    assert CliRunner().invoke(app, ["check", "--root", str(tmp_path)]).exit_code == 0
+    data["pipelines"]["demo"]["collect"]["sources"] = ["logs/agent/*.jsonl"]  # collect@demo now reads logs/agent
+    _write(tmp_path, data)
+    result = CliRunner().invoke(app, ["check", "--root", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "dvc.yaml is out of date" in result.output and "python -m tasks.spec > dvc.yaml" in result.output
