@@ -10,6 +10,7 @@ import flywheel
 from flywheel.config import PipelineConfig, load_pipeline
 from flywheel.data.catalog import content_hash
 from flywheel.data.sources import local_files
+from flywheel.stages import ORDER as STAGE_ORDER
 
 PACKAGE_ROOT = Path(flywheel.__file__).resolve().parent.parent
 
@@ -55,6 +56,9 @@ STAGES: dict[str, StageSpec] = {s.name: s for s in [
               ("tasks/register.py", "flywheel/registry.py", "flywheel/promotion.py", "flywheel/evaluate"),
               ("data/{p}/register",)),
 ]}
+if tuple(STAGES) != STAGE_ORDER:
+    raise RuntimeError(f"tasks/spec.py STAGES {list(STAGES)} and flywheel/stages.py ORDER {list(STAGE_ORDER)} "
+                       "differ: a stage is one entry in each, in the same order")
 ORDER = list(STAGES)
 
 
@@ -62,10 +66,10 @@ def code_hash(spec: StageSpec) -> str:
     return content_hash([PACKAGE_ROOT / c for c in spec.code], PACKAGE_ROOT)
 
 
-def input_key(stage: str, pipeline: str, root: Path) -> str:
+def input_key(stage: str, pipeline: str, root: Path, cfg: PipelineConfig | None = None) -> str:
     """The content of a stage's inputs, config sections and code: equal keys mean equal work."""
     spec = STAGES[stage]
-    cfg = load_pipeline(pipeline, root / "pipelines.yaml")
+    cfg = cfg or load_pipeline(pipeline, root / "pipelines.yaml")
     parts = [stage, pipeline, content_hash(spec.dep_paths(root, pipeline, cfg), root),
              cfg.section_hash(*spec.config), code_hash(spec)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
