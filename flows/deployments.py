@@ -109,7 +109,7 @@ def _flow(name: str):
     return watch_traces
 
 
-def runner_deployments(root: Path, wanted: list[Planned]) -> list:
+def runner_deployments(wanted: list[Planned]) -> list:
     """The in-process deployments `flywheel serve` runs (the flows imported from this checkout)."""
     return [_flow(p.flow).to_deployment(name=p.pipeline, schedules=p.schedules(), parameters=p.parameters,
                                         tags=[TAG]) for p in wanted]

@@ -293,7 +293,7 @@ def serve(root: Path = ROOT, results: str | None = RESULTS,
 
         if results:
             typer.echo(f"Prefect results in {results} ({deployments.use_result_storage(results)})")
-        served = deployments.runner_deployments(root, wanted)
+        served = deployments.runner_deployments(wanted)
         for deployment in served:
             deployment.apply()
         report = deployments.reconcile(wanted, pool=None, root=root)

@@ -141,7 +141,7 @@ def test_redeploy_reconciles_schedules_and_deployments(tmp_path, prefect_server)
     # `flywheel serve` registers the same plan as served deployments; the pool's are left alone
     _write(root, {"c": {"trigger": {"min_new_traces": 5}}})
     wanted = plan(load_pipelines(root / "pipelines.yaml"), root)
-    for served in runner_deployments(root, wanted):
+    for served in runner_deployments(wanted):
         served.apply()
     reconcile(wanted, pool=None, root=root)
     assert _state(None) == {"retrain/c": [], "watch-traces/c": ["every 300s"]}
