@@ -99,7 +99,7 @@ def test_stage_against_a_faulty_endpoint_is_complete_deterministic_and_keeps_the
     accepted_train = traces[(traces["outcome"] == "accepted") & (traces["split"] == "train")]
     assert len(accepted_train) > 0 and (table["teacher"] == "trace").sum() == len(accepted_train)
     metrics = result.metrics
-    assert set(result) == {"stage", "run_id", "metrics", "outputs"}
+    assert (result.stage, result.gate, result.registration) == ("synthesize", None, None)
     assert metrics["samples"] == 2 * n_tasks and metrics["tasks_with_target_fraction"] == 1.0
     assert metrics["malformed_turns"] == 1 and metrics["teacher_retries"] == 4
     assert metrics["tokens_in"] == samples["tokens_in"].sum() > 0
@@ -162,7 +162,7 @@ def _rows(cache: Path) -> int:
 
 def test_the_oracle_teacher_stays_the_default(root, capsys):
     result = synthesize.fn("t", str(root))
-    assert set(result) == {"stage", "run_id", "metrics", "outputs"}
+    assert (result.stage, result.gate, result.registration) == ("synthesize", None, None)
     n_tasks = train_tasks(root)
     assert result.metrics["samples"] == result.metrics["accepted"] == n_tasks
     assert result.metrics["cost_usd"] == 0 and result.metrics["traces_added"] == 0
