@@ -108,7 +108,7 @@ def main() -> None:
     started = time.perf_counter()
     result = collect.fn(pipeline=args.pipeline, root=str(root))
     stage_s = time.perf_counter() - started
-    m = result["metrics"]
+    m = result.metrics
     print(f"collect stage: {stage_s:.2f}s: {m['traces']} traces, {m['quarantined']} quarantined, "
           f"{m['duplicates']} duplicates, redacted {({k: v for k, v in m.items() if k.startswith('redacted_')})}",
           flush=True)

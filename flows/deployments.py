@@ -1,9 +1,9 @@
 """Deployments from pipelines.yaml: the retrain flow on each pipeline's schedule, the sensor on its trigger.
 
-Names (what `flywheel status` and the sensor look up): the retrain deployment of pipeline P is `retrain/P`, its
-sensor `watch-traces/P`; deployed with job-per-stage, `stage/P` runs one stage of P as its own job. Every
-deployment made here is tagged `flywheel`; a redeploy reconciles the server to the file: schedules are set to
-exactly what the file says, and flywheel deployments the file no longer asks for are deleted.
+Names (flows/names.py): the retrain deployment of pipeline P is `retrain/P`, its sensor `watch-traces/P`;
+deployed with job-per-stage, `stage/P` runs one stage of P as its own job. Every deployment made here is tagged
+`flywheel`; a redeploy reconciles the server to the file: schedules are set to exactly what the file says,
+and flywheel deployments the file no longer asks for are deleted.
 
 - `serve(root)`: one process serves every deployment (Prefect's `serve`), on a real server: the ephemeral one
   has no scheduler, so `local_server` starts `prefect server start` under `.flywheel/prefect` when no
@@ -28,37 +28,16 @@ from pathlib import Path
 
 import httpx
 
+from flows.names import ENTRYPOINTS, FLOWS, RETRAIN_FLOW, SENSOR_FLOW, STAGE_FLOW, deployment_name
 from flywheel.config import PipelineConfig
+from flywheel.stages import ORDER
 
-RETRAIN_FLOW = "retrain"
-SENSOR_FLOW = "watch-traces"
-STAGE_FLOW = "stage"
 TAG = "flywheel"
 RESULTS_BLOCK = "flywheel-results"  # the RemoteFileSystem block that holds Prefect results on S3
-
-_ENTRYPOINTS = {RETRAIN_FLOW: "flows/retrain.py:retrain", SENSOR_FLOW: "flows/sensor.py:watch_traces",
-                STAGE_FLOW: "flows/stage.py:stage"}
-
-
-def retrain_deployment(pipeline: str) -> str:
-    """The full name of a pipeline's retrain deployment: `retrain/<pipeline>`."""
-    return f"{RETRAIN_FLOW}/{pipeline}"
-
-
-def sensor_deployment(pipeline: str) -> str:
-    """The full name of a pipeline's trigger sensor deployment: `watch-traces/<pipeline>`."""
-    return f"{SENSOR_FLOW}/{pipeline}"
-
-
-def stage_deployment(pipeline: str) -> str:
-    """The full name of the deployment that runs one stage of a pipeline as its own job: `stage/<pipeline>`."""
-    return f"{STAGE_FLOW}/{pipeline}"
 
 
 def stage_job_variables(path: Path) -> dict[str, dict]:
     """Each stage's job variables from a file like infra/k8s/stages.json (keys other than stages are left out)."""
-    from tasks.spec import ORDER
-
     try:
         found = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -83,7 +62,7 @@ class Planned:
 
     @property
     def full_name(self) -> str:
-        return f"{self.flow}/{self.pipeline}"
+        return deployment_name(self.flow, self.pipeline)
 
     def schedules(self) -> list:
         from prefect.schedules import Cron, Interval
@@ -116,6 +95,7 @@ def plan(pipelines: dict[str, PipelineConfig], root: Path, stage_jobs: dict[str,
 
 
 def _flow(name: str):
+    # imported here, not above: the flows import Prefect and the stages, which `flywheel deploy --help` need not
     if name == RETRAIN_FLOW:
         from flows.retrain import retrain
 
@@ -129,7 +109,7 @@ def _flow(name: str):
     return watch_traces
 
 
-def runner_deployments(root: Path, wanted: list[Planned]) -> list:
+def runner_deployments(wanted: list[Planned]) -> list:
     """The in-process deployments `flywheel serve` runs (the flows imported from this checkout)."""
     return [_flow(p.flow).to_deployment(name=p.pipeline, schedules=p.schedules(), parameters=p.parameters,
                                         tags=[TAG]) for p in wanted]
@@ -149,7 +129,7 @@ def deploy(root: Path, pool: str, wanted: list[Planned], job_variables: dict | N
                               f"`prefect work-pool create {pool} --type process` (or kubernetes, see "
                               "infra/README.md)") from None
     for planned in wanted:
-        source = Flow.from_source(source=str(root), entrypoint=_ENTRYPOINTS[planned.flow])
+        source = Flow.from_source(source=str(root), entrypoint=ENTRYPOINTS[planned.flow])
         deployment = source.to_deployment(name=planned.pipeline, parameters=planned.parameters, tags=[TAG],
                                           job_variables=job_variables or {}, schedules=planned.schedules())
         deployment.apply(work_pool_name=pool)
@@ -167,7 +147,7 @@ def reconcile(wanted: list[Planned], pool: str | None, root: Path) -> dict:
 
     by_name = {p.full_name: p for p in wanted}
     report = {"kept": [], "deleted": [], "schedules": {}}
-    ours = FlowFilter(name=FlowFilterName(any_=[RETRAIN_FLOW, SENSOR_FLOW, STAGE_FLOW]))
+    ours = FlowFilter(name=FlowFilterName(any_=list(FLOWS)))
     with get_client(sync_client=True) as client:
         flows = {f.id: f.name for f in client.read_flows(flow_filter=ours)}
         found = client.read_deployments(

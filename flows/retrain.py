@@ -7,16 +7,16 @@ from pathlib import Path
 
 from prefect import flow, runtime
 
-from flows.stage import STAGE_TASKS, run_as_job, run_here
+from flows.names import RETRAIN_FLOW
+from flows.stage import run_stage
 from flywheel import registry
 from flywheel.config import load_pipeline
 from flywheel.data import dvc
+from flywheel.stages import StageResult
 from tasks.spec import ORDER, STAGES, output_hashes
 
-__all__ = ["STAGE_TASKS", "retrain"]  # STAGE_TASKS: `flywheel stage` finds the stages here
 
-
-@flow(name="retrain", log_prints=False)
+@flow(name=RETRAIN_FLOW, log_prints=False)
 def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push: bool = True,
             restored: list[str] | None = None, tags: dict[str, str] | None = None, promote: bool = True,
             stage_jobs: dict[str, dict] | None = None) -> dict:
@@ -39,44 +39,41 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
         "prefect.flow_run_id": flow_run_id, "flywheel.refresh": refresh,
         "git.dirty": registry.git_dirty(root_path), **(tags or {})})
     registry.record_config(parent, pipeline, cfg.model_dump(mode="json"))
+    # what only some stages take: register is told whether to offer promotion, and the run it belongs to
+    options = {"register": {"promote": promote, "lineage": {
+        "prefect.flow_run_id": flow_run_id, "mlflow.pipeline_run_id": parent.run_id, **(tags or {})}}}
 
-    def run_stage(name: str, kwargs: dict, refresh_cache: bool) -> tuple[dict, bool]:
-        if stage_jobs is None:
-            return run_here(name, kwargs, refresh_cache)
-        return run_as_job(name, kwargs, refresh_cache, job_variables=stage_jobs[name])
-
-    results: dict[str, dict] = {}
+    results: dict[str, StageResult] = {}
     ran: list[str] = []
     try:
         for number, name in enumerate(ORDER, start=1):
             started = time.monotonic()
             if name in restored:
-                results[name] = {"stage": name, "run_id": "", "outputs": output_hashes(name, pipeline, root_path)}
+                results[name] = StageResult(name, "", outputs=output_hashes(name, pipeline, root_path))
                 parent.tags({f"stage.{name}": "restored"})
                 print(f"[{number}/{len(ORDER)}] {name} restored from DVC, not run", flush=True)
                 continue
             outputs_missing = not all(p.exists() for p in STAGES[name].out_paths(root_path, pipeline))
-            kwargs = {"pipeline": pipeline, "root": str(root_path), "parent_run_id": parent.run_id}
-            if name == "register":
-                kwargs["promote"] = promote
-                kwargs["lineage"] = {"prefect.flow_run_id": flow_run_id, "mlflow.pipeline_run_id": parent.run_id,
-                                     **_data_lineage(root_path, pipeline), **(tags or {})}
-                parent.tags({k: v for k, v in kwargs["lineage"].items() if k.startswith("flywheel.dvc.")})
+            kwargs = {"pipeline": pipeline, "root": str(root_path), "parent_run_id": parent.run_id,
+                      **options.get(name, {})}
+            jobs = stage_jobs[name] if stage_jobs is not None else None
             print(f"[{number}/{len(ORDER)}] {name} ...", flush=True)
-            result, cached = run_stage(name, kwargs, refresh_cache=refresh or outputs_missing)
-            if cached and result["outputs"] != output_hashes(name, pipeline, root_path):
+            result, cached = run_stage(name, kwargs, refresh or outputs_missing, jobs)
+            if cached and result.outputs != output_hashes(name, pipeline, root_path):
                 # the cache is right about the inputs, but the workspace holds other outputs (another config's
                 # run, a manual edit): make them again rather than hand stale files downstream
                 print(f"[{number}/{len(ORDER)}] {name}: outputs on disk differ from the cached run's; rerunning")
-                result, cached = run_stage(name, kwargs, refresh_cache=True)
+                result, cached = run_stage(name, kwargs, True, jobs)
             if use_dvc and (not cached or not dvc.lock_hashes(root_path, name, pipeline)):
                 dvc.commit(root_path, name, pipeline)
             if not cached:
                 ran.append(name)
             results[name] = result
             took = time.monotonic() - started
-            parent.tags({f"stage.{name}": "cached" if cached else "ran", f"stage.{name}.run_id": result["run_id"]})
+            parent.tags({f"stage.{name}": "cached" if cached else "ran", f"stage.{name}.run_id": result.run_id})
             print(f"[{number}/{len(ORDER)}] {name} {'cached' if cached else 'done'} in {took:.1f}s", flush=True)
+        # the datasets and models the candidate came from (register tags its version with the same)
+        parent.tags(dvc.lineage_tags(root_path, pipeline, ORDER[:-1]))
         if use_dvc and push and ran:
             dvc.push(root_path)
         if use_dvc:
@@ -92,17 +89,9 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
     return summary
 
 
-def _data_lineage(root: Path, pipeline: str) -> dict:
-    """DVC md5 of every dataset and model the candidate came from, as dvc.lock records them."""
-    hashes = {}
-    for name in ORDER[:-1]:
-        hashes |= dvc.lock_hashes(root, name, pipeline)
-    return {f"flywheel.dvc.{path}": md5 for path, md5 in sorted(hashes.items()) if md5}
-
-
-def _summary(pipeline: str, results: dict, ran: list[str], restored: list[str]) -> dict:
-    gate = results["evaluate"]["gate"]
-    registration = results["register"]["registration"]
+def _summary(pipeline: str, results: dict[str, StageResult], ran: list[str], restored: list[str]) -> dict:
+    gate = results["evaluate"].gate
+    registration = results["register"].registration
     current = registry.get_alias(pipeline, "champion")
     return {"pipeline": pipeline, "scores": gate["scores"], "gate_passed": gate["passed"],
             "gate_reasons": gate["reasons"], "version": registration["version"],

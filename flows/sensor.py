@@ -12,14 +12,14 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.deployments import retrain_deployment
+from flows.names import SENSOR_FLOW, retrain_deployment
 from flywheel.config import load_pipeline
 from flywheel.data.arrivals import count_new, saved_watermarks
 
 TRIGGER_TAG = "flywheel.trigger"  # on the retrain runs this sensor starts
 
 
-@flow(name="watch-traces", log_prints=False)
+@flow(name=SENSOR_FLOW, log_prints=False)
 def watch_traces(pipeline: str = "demo", root: str = ".") -> dict:
     """Count the new trace records; start the retrain deployment if there are enough and none is on its way."""
     logger = get_run_logger()

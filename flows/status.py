@@ -5,9 +5,8 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
+from flows.names import retrain_deployment
 from flywheel.config import ScheduleConfig
-
-DEPLOYMENT = "retrain/{pipeline}"  # flow "retrain", one deployment per pipeline, named after it
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ def next_run(pipeline: str, schedule: ScheduleConfig | None) -> NextRun:
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL
 
-    name = DEPLOYMENT.format(pipeline=pipeline)
+    name = retrain_deployment(pipeline)
     said = (f"pipelines.yaml says {schedule.cron} {schedule.timezone} (next: "
             f"{_show(_next_date(schedule.cron, schedule.timezone))})") if schedule else "pipelines.yaml has no schedule"
     api = PREFECT_API_URL.value() or "the embedded Prefect server"

@@ -60,13 +60,15 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yam
 def stage(name: str = typer.Argument(..., help="collect, synthesize, sft, rl, evaluate or register."),
           pipeline: str = typer.Option(..., "--pipeline", "-p"), root: Path = ROOT) -> None:
     """Run one stage directly, without Prefect (what dvc.yaml calls)."""
-    from flows.retrain import STAGE_TASKS
+    from flywheel.stages import ORDER
 
     root = _checked_root(root)
-    if name not in STAGE_TASKS:
-        _fail(f"unknown stage '{name}' (stages: {', '.join(STAGE_TASKS)})")
-    result = STAGE_TASKS[name].fn(pipeline=pipeline, root=str(root))
-    typer.echo(f"{name}: done (MLflow run {result['run_id']})")
+    if name not in ORDER:
+        _fail(f"unknown stage '{name}' (stages: {', '.join(ORDER)})")
+    from tasks.kernel import stage_by_name
+
+    result = stage_by_name(name).fn(pipeline=pipeline, root=str(root))
+    typer.echo(f"{name}: done (MLflow run {result.run_id})")
 
 
 @app.command()
@@ -307,7 +309,7 @@ def serve(root: Path = ROOT, results: str | None = RESULTS,
 
         if results:
             typer.echo(f"Prefect results in {results} ({deployments.use_result_storage(results)})")
-        served = deployments.runner_deployments(root, wanted)
+        served = deployments.runner_deployments(wanted)
         for deployment in served:
             deployment.apply()
         report = deployments.reconcile(wanted, pool=None, root=root)

@@ -8,9 +8,9 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 
 from flywheel.registry import client
+from flywheel.stages import ORDER
 
 ALIASES = ("champion", "challenger")
-STAGES = ("collect", "synthesize", "sft", "rl", "evaluate", "register")  # as the retrain flow tags them
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,6 @@ def pipeline_status(pipeline: str, last: int = 5) -> PipelineStatus:
             runs.append(RunState(run.info.run_id, pd.Timestamp(run.info.start_time, unit="ms", tz="UTC"),
                                  run.info.status, tags.get("flywheel.gate", ""),
                                  tags.get("flywheel.registered_version", ""),
-                                 {s: tags[f"stage.{s}"] for s in STAGES if f"stage.{s}" in tags},
+                                 {s: tags[f"stage.{s}"] for s in ORDER if f"stage.{s}" in tags},
                                  tags.get("flywheel.rerun_of", ""), _data(tags)))
     return PipelineStatus(pipeline, aliases, runs)

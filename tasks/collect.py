@@ -5,30 +5,28 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from prefect import task
 
-from flywheel.config import load_pipeline
+from flywheel.config import PipelineConfig
 from flywheel.data import watermarks
-from flywheel.data.catalog import Catalog
 from flywheel.data.lineage import dvc_md5, log_dataset
 from flywheel.data.redaction import Redactor
 from flywheel.data.schemas import Quarantine, Traces
-from flywheel.data.sources import FileReader, SourceError, readers, remote_fingerprint
+from flywheel.data.shapes import SourceError
+from flywheel.data.sources import FileReader, readers, remote_fingerprint
 from flywheel.data.tasksets import build_tasks
 from flywheel.data.traces import collect as collect_traces
 from flywheel.data.traces import table_rows
-from flywheel.envs import get_environment
-from flywheel.registry import stage_run
+from flywheel.stages import StageResult
 from tasks.caching import by_content
-from tasks.spec import output_hashes
+from tasks.kernel import stage_context, stage_task
 
 
 class TooManyBadRecords(RuntimeError):
     """More than max_bad_fraction of the records read were quarantined."""
 
 
-def _remote(pipeline: str, root: Path) -> str:
-    return remote_fingerprint(load_pipeline(pipeline, root / "pipelines.yaml").collect, root)
+def _remote(pipeline: str, root: Path, cfg: PipelineConfig) -> str:
+    return remote_fingerprint(cfg.collect, root)
 
 
 _by_content = by_content("collect", extra=_remote)
@@ -44,15 +42,12 @@ def cache_key(context, parameters: dict) -> str | None:
         return None  # unreachable now: run, and let the stage say what is wrong
 
 
-@task(name="collect", cache_key_fn=cache_key, persist_result=True)
-def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, full: bool = False) -> dict:
+@stage_task(cache_key_fn=cache_key)
+def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, full: bool = False) -> StageResult:
     """Read what is new in the trace sources into the traces table (bad records quarantined); build the tasks."""
-    root_path = Path(root).resolve()
-    cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
-    catalog = Catalog(root_path, pipeline)
-    env = get_environment(cfg.environment.name)
-    tables = {name: catalog.table_path(name) for name in ("traces", "quarantine")}
-    with stage_run(root_path, pipeline, "collect", parent_run_id, cfg.model_dump(include={"collect"})) as run:
+    with stage_context("collect", pipeline, root, parent_run_id, params=("collect",)) as stage:
+        cfg, catalog, root_path = stage.cfg, stage.catalog, stage.root
+        tables = {name: catalog.table_path(name) for name in ("traces", "quarantine")}
         sources = readers(cfg.collect, root_path)
         for reader in sources:
             if isinstance(reader, FileReader) and not reader.files():
@@ -73,12 +68,12 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
                 f"see {catalog.table_path('quarantine')}")
         traces = pd.DataFrame(found.traces, columns=list(Traces.to_schema().columns))
         catalog.write("traces", traces)
-        tasks = build_tasks(env, cfg.environment, cfg.collect.heldout_fraction, found.traces)
+        tasks = build_tasks(stage.env, cfg.environment, cfg.collect.heldout_fraction, found.traces)
         catalog.write("tasks", pd.DataFrame(tasks))
         watermarks.save(root_path, pipeline, cfg.collect, tables, found.states)
 
         digest = dvc_md5(catalog.stage_dir("collect"))  # what `dvc commit` will record for this output
-        log_dataset(run.run_id, traces, f"{pipeline}-traces", catalog.stage_dir("collect"), digest)
+        log_dataset(stage.run.run_id, traces, f"{pipeline}-traces", catalog.stage_dir("collect"), digest)
         metrics = {"records": read, "traces": len(found.traces), "traces_new": sum(found.new.values()),
                    "quarantined": bad, "quarantine_total": len(found.quarantine), "duplicates": found.duplicates,
                    "partial_turns": found.partial, "bad_fraction": bad_fraction,
@@ -91,7 +86,7 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
         for label in (reader.source.label for reader in sources):
             metrics |= {f"source/{label}/records": found.records[label], f"source/{label}/traces": found.new[label],
                         f"source/{label}/quarantined": found.bad[label]}
-        run.metrics(metrics)
-        outputs = output_hashes("collect", pipeline, root_path)
-        run.tags({"flywheel.out.collect": digest, "flywheel.collect.mode": "full" if since is None else "incremental"})
-    return {"stage": "collect", "run_id": run.run_id, "metrics": metrics, "outputs": outputs}
+        stage.run.metrics(metrics)
+        stage.run.tags({"flywheel.out.collect": digest,
+                        "flywheel.collect.mode": "full" if since is None else "incremental"})
+        return stage.done(metrics)

@@ -7,24 +7,22 @@ import tempfile
 from pathlib import Path
 
 import pandas as pd
-from prefect import task
 
 from flywheel import registry
-from flywheel.config import load_pipeline
+from flywheel.config import PipelineConfig
 from flywheel.data.catalog import Catalog, content_hash
 from flywheel.data.tasksets import row_task
-from flywheel.envs import get_environment
-from flywheel.envs.base import prompt_hash
-from flywheel.evaluate.gate import decide
+from flywheel.envs.base import Task, prompt_hash
+from flywheel.evaluate.gate import GateDecision, decide
 from flywheel.evaluate.report import plot_slices, slice_scores
 from flywheel.evaluate.runner import check_contamination, evaluate_model, synthetic_prompt_hashes
-from flywheel.registry import stage_run
+from flywheel.stages import StageResult
 from tasks.caching import by_content
+from tasks.kernel import stage_context, stage_task
 from tasks.reports import publish_eval_report
-from tasks.spec import output_hashes
 
 
-def champion_key(pipeline: str, root: Path) -> str:
+def champion_key(pipeline: str, root: Path, cfg: PipelineConfig | None = None) -> str:
     """The champion the candidate is judged against; a champion that IS the candidate counts as none."""
     champion = registry.get_alias(pipeline, "champion")
     candidate = content_hash([Catalog(root, pipeline).model_dir("rl")], root)
@@ -33,35 +31,17 @@ def champion_key(pipeline: str, root: Path) -> str:
     return f"champion-{champion.version}-{champion.model_hash}"
 
 
-@task(name="evaluate", cache_key_fn=by_content("evaluate", extra=champion_key), persist_result=True)
-def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dict:
+@stage_task(cache_key_fn=by_content("evaluate", extra=champion_key))
+def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> StageResult:
     """Score base, SFT and RL students (and the champion) on the held-out tasks; decide the gate."""
-    root_path = Path(root).resolve()
-    cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
-    catalog = Catalog(root_path, pipeline)
-    env = get_environment(cfg.environment.name)
-    params = cfg.model_dump(include={"evaluate", "gate"})
-    with stage_run(root_path, pipeline, "evaluate", parent_run_id, params) as run:
-        tasks = catalog.read("tasks")
-        catalog.write("heldout", tasks[tasks["split"] == "heldout"].reset_index(drop=True))
-        heldout = [row_task(r) for r in catalog.read("heldout").to_dict("records")]
-        prompt_of = {r["task_id"]: prompt_hash(json.loads(r["prompt"])) for r in tasks.to_dict("records")}
-        synthetic = catalog.read("synthetic")
-        check_contamination(heldout, {
-            "sft data (synthetic)": synthetic_prompt_hashes(synthetic.loc[synthetic["accepted"], "messages"]),
-            "rl rollouts": [prompt_of.get(t, t) for t in catalog.read("rollouts")["task_id"]],
-        })
-
+    with stage_context("evaluate", pipeline, root, parent_run_id, params=("evaluate", "gate")) as stage:
+        cfg, catalog, root_path, run = stage.cfg, stage.catalog, stage.root, stage.run
+        heldout = _heldout(catalog)
         candidate_hash = content_hash([catalog.model_dir("rl")], root_path)
-        models = {"base": catalog.model_dir("base"), "sft": catalog.model_dir("sft"), "rl": catalog.model_dir("rl")}
-        champion = registry.get_alias(pipeline, "champion")
-        if champion is not None and champion.model_hash != candidate_hash:
-            models["champion"] = registry.download(champion)
-        if (models["base"] / "SOURCE").exists():  # a named checkpoint, not one built here
-            models["base"] = Path((models["base"] / "SOURCE").read_text().strip())
+        models, champion = _models(catalog, pipeline, candidate_hash)
         rows = []
         for label, path in models.items():
-            rows += evaluate_model(path, env, heldout, label, max_turns=cfg.environment.max_turns,
+            rows += evaluate_model(path, stage.env, heldout, label, max_turns=cfg.environment.max_turns,
                                    tool_timeout_s=cfg.environment.tool_timeout_s,
                                    batch_size=cfg.evaluate.batch_size, samples=cfg.evaluate.samples,
                                    temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed,
@@ -84,11 +64,7 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
         per_slice = slice_scores(table, cfg.gate)
         report["slice_scores"] = per_slice.round(6).to_dict("records")
         gate_path = catalog.write_json("evaluate", "gate.json", report)
-        numbers = report["numbers"]
-        run.metrics(scores | {"gate_passed": float(decision.passed)}
-                    | {f"gate_diff_{k}": v for k, v in (numbers.get("diff") or {}).items() if v is not None}
-                    | {f"gate_candidate_{k}": numbers.get("candidate", {}).get(k) for k in ("low", "high")
-                       if numbers.get("candidate", {}).get(k) is not None})
+        run.metrics(scores | _gate_metrics(decision, report["numbers"]))
         with tempfile.TemporaryDirectory() as tmp:
             plot = plot_slices(per_slice, Path(tmp) / "gate_slices.png", f"{pipeline}: held-out reward by slice")
             if plot is not None:
@@ -97,5 +73,37 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
                   "flywheel.out.evaluate": content_hash([catalog.stage_dir("evaluate")], root_path)})
         run.artifact(gate_path)
         publish_eval_report(pipeline, report, table)
-    return {"stage": "evaluate", "run_id": run.run_id, "metrics": scores, "gate": report,
-            "outputs": output_hashes("evaluate", pipeline, root_path)}
+        return stage.done(scores, gate=report)
+
+
+def _heldout(catalog: Catalog) -> list[Task]:
+    """The held-out tasks (written as the heldout table), after checking none leaked into SFT or RL data."""
+    tasks = catalog.read("tasks")
+    catalog.write("heldout", tasks[tasks["split"] == "heldout"].reset_index(drop=True))
+    heldout = [row_task(r) for r in catalog.read("heldout").to_dict("records")]
+    prompt_of = {r["task_id"]: prompt_hash(json.loads(r["prompt"])) for r in tasks.to_dict("records")}
+    synthetic = catalog.read("synthetic")
+    check_contamination(heldout, {
+        "sft data (synthetic)": synthetic_prompt_hashes(synthetic.loc[synthetic["accepted"], "messages"]),
+        "rl rollouts": [prompt_of.get(t, t) for t in catalog.read("rollouts")["task_id"]],
+    })
+    return heldout
+
+
+def _models(catalog: Catalog, pipeline: str, candidate_hash: str) -> tuple[dict[str, Path], registry.Version | None]:
+    """Label -> checkpoint of every model to score (the champion unless it is the candidate); the champion."""
+    models = {"base": catalog.model_dir("base"), "sft": catalog.model_dir("sft"), "rl": catalog.model_dir("rl")}
+    champion = registry.get_alias(pipeline, "champion")
+    if champion is not None and champion.model_hash != candidate_hash:
+        models["champion"] = registry.download(champion)
+    if (models["base"] / "SOURCE").exists():  # a named checkpoint, not one built here
+        models["base"] = Path((models["base"] / "SOURCE").read_text().strip())
+    return models, champion
+
+
+def _gate_metrics(decision: GateDecision, numbers: dict) -> dict:
+    """The gate's decision and numbers as MLflow metrics: passed, the difference and the candidate's interval."""
+    return ({"gate_passed": float(decision.passed)}
+            | {f"gate_diff_{k}": v for k, v in (numbers.get("diff") or {}).items() if v is not None}
+            | {f"gate_candidate_{k}": numbers.get("candidate", {}).get(k) for k in ("low", "high")
+               if numbers.get("candidate", {}).get(k) is not None})

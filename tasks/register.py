@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from prefect import task
-
 from flywheel import promotion, registry
-from flywheel.config import load_pipeline
 from flywheel.data import dvc
-from flywheel.data.catalog import Catalog, content_hash
+from flywheel.data.catalog import content_hash
 from flywheel.evaluate.gate import GateDecision
-from flywheel.registry import stage_run
+from flywheel.stages import ORDER, StageResult
 from flywheel.train.checkpoint import adapter_base
 from tasks.caching import by_content
-from tasks.spec import output_hashes
+from tasks.kernel import stage_context, stage_task
 
 _by_content = by_content("register")
 
@@ -24,18 +19,17 @@ def cache_key(context, parameters: dict) -> str:
     return _by_content(context, parameters) + ("" if parameters.get("promote", True) else "-no-promote")
 
 
-@task(name="register", cache_key_fn=cache_key, persist_result=True, retries=2, retry_delay_seconds=2)
+@stage_task(cache_key_fn=cache_key, retries=2, retry_delay_seconds=2)
 def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
-             lineage: dict | None = None, promote: bool = True) -> dict:
+             lineage: dict | None = None, promote: bool = True) -> StageResult:
     """Register the RL checkpoint (idempotent on its content hash), alias it, tag its lineage.
 
     `promote=False` (a rerun) leaves champion where it is: the gate decision is recorded, not acted on.
     """
-    root_path = Path(root).resolve()
-    cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
-    catalog = Catalog(root_path, pipeline)
-    gate = catalog.read_json("evaluate", "gate.json")
-    with stage_run(root_path, pipeline, "register", parent_run_id, {"gate_passed": gate["passed"]}) as run:
+    with stage_context("register", pipeline, root, parent_run_id) as stage:
+        cfg, catalog, root_path, run = stage.cfg, stage.catalog, stage.root, stage.run
+        gate = catalog.read_json("evaluate", "gate.json")
+        run.params({"gate_passed": gate["passed"]})
         model_dir = catalog.model_dir("rl")
         model_hash = content_hash([model_dir], root_path)
         if model_hash != gate["candidate_hash"]:
@@ -46,6 +40,7 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
                 "git.commit": registry.git_commit(root_path),
                 **{f"flywheel.score.{k}": round(v, 4) for k, v in gate["scores"].items()},
                 **{f"flywheel.data.{k}": v for k, v in dvc.lock_hashes(root_path, "rl", pipeline).items()},
+                **dvc.lineage_tags(root_path, pipeline, ORDER[:ORDER.index("register")]),
                 **(lineage or {})}
         if adapter_base(model_dir):  # a LoRA adapter: serving needs the base it was trained over
             tags["flywheel.adapter_base"] = adapter_base(model_dir)
@@ -70,5 +65,4 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
                   "gate_passed": gate["passed"], "promoted": promoted, "promotion_reasons": reasons}
         catalog.write_json("register", "registration.json", result)
         run.tags({"flywheel.registered_version": version.version})
-    return {"stage": "register", "run_id": run.run_id, "metrics": {}, "registration": result,
-            "outputs": output_hashes("register", pipeline, root_path)}
+        return stage.done({}, registration=result)

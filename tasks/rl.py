@@ -3,32 +3,23 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pandas as pd
-from prefect import task
 
-from flywheel.config import load_pipeline
-from flywheel.data.catalog import Catalog
 from flywheel.data.schemas import Rollouts
 from flywheel.data.tasksets import row_task
-from flywheel.envs import get_environment
 from flywheel.metrics import final_metrics
-from flywheel.registry import stage_run
+from flywheel.stages import StageResult
 from flywheel.train.rl.loop import train_rl
-from tasks.caching import by_content
+from tasks.kernel import stage_context, stage_task
 from tasks.progress import progress
-from tasks.spec import output_hashes
 
 
-@task(name="rl", cache_key_fn=by_content("rl"), persist_result=True)
-def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dict:
+@stage_task()
+def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> StageResult:
     """RL from the SFT checkpoint: the RL checkpoint and the rollouts table."""
-    root_path = Path(root).resolve()
-    cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
-    catalog = Catalog(root_path, pipeline)
-    env = get_environment(cfg.environment.name)
-    with stage_run(root_path, pipeline, "rl", parent_run_id, cfg.model_dump(include={"rl"})) as run:
+    with stage_context("rl", pipeline, root, parent_run_id, params=("rl",)) as stage:
+        cfg, catalog, env, run = stage.cfg, stage.catalog, stage.env, stage.run
         tasks = [row_task(r) for r in catalog.read("tasks").to_dict("records") if r["split"] == "train"]
         out_dir = catalog.model_dir("rl")
         if cfg.rl.steps == 0:  # RL switched off: the candidate is the SFT model itself
@@ -41,6 +32,4 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dict
                                      on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"))
         catalog.write("rollouts", pd.DataFrame(rows, columns=list(Rollouts.to_schema().columns)))
         run.metrics(final_metrics(summary))
-        outputs = output_hashes("rl", pipeline, root_path)
-        run.tags({f"flywheel.out.{k}": v for k, v in outputs.items()})
-    return {"stage": "rl", "run_id": run.run_id, "metrics": summary, "outputs": outputs}
+        return stage.done(summary)

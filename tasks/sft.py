@@ -6,29 +6,21 @@ import json
 import shutil
 from pathlib import Path
 
-from prefect import task
-
-from flywheel.config import load_pipeline
-from flywheel.data.catalog import Catalog
 from flywheel.data.lineage import dvc_md5, log_dataset
 from flywheel.metrics import final_metrics
-from flywheel.registry import stage_run
+from flywheel.stages import StageResult
 from flywheel.train.checkpoint import adapter_base
 from flywheel.train.sft import train_sft
 from flywheel.train.tiny import build_tiny_student, render_conversation
-from tasks.caching import by_content
+from tasks.kernel import stage_context, stage_task
 from tasks.progress import progress
-from tasks.spec import output_hashes
 
 
-@task(name="sft", cache_key_fn=by_content("sft"), persist_result=True)
-def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dict:
+@stage_task()
+def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> StageResult:
     """Build (tiny) or locate the base student, then SFT it on the accepted synthetic conversations."""
-    root_path = Path(root).resolve()
-    cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
-    catalog = Catalog(root_path, pipeline)
-    params = cfg.model_dump(include={"student", "sft"})
-    with stage_run(root_path, pipeline, "sft", parent_run_id, params) as run:
+    with stage_context("sft", pipeline, root, parent_run_id, params=("student", "sft")) as stage:
+        cfg, catalog, root_path, run = stage.cfg, stage.catalog, stage.root, stage.run
         synthetic = catalog.read("synthetic")
         log_dataset(run.run_id, synthetic, f"{pipeline}-synthetic", catalog.stage_dir("synthesize"),
                     dvc_md5(catalog.stage_dir("synthesize")))
@@ -69,6 +61,4 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dic
         base_of_adapter = adapter_base(catalog.model_dir("sft"))
         if base_of_adapter:
             run.tags({"flywheel.adapter_base": base_of_adapter})
-        outputs = output_hashes("sft", pipeline, root_path)
-        run.tags({f"flywheel.out.{k}": v for k, v in outputs.items()})
-    return {"stage": "sft", "run_id": run.run_id, "metrics": result, "outputs": outputs}
+        return stage.done(result)

@@ -11,6 +11,7 @@ import flywheel
 from flywheel.config import PipelineConfig, load_pipeline, load_pipelines
 from flywheel.data.catalog import content_hash
 from flywheel.data.sources import local_files
+from flywheel.stages import ORDER as STAGE_ORDER
 
 PACKAGE_ROOT = Path(flywheel.__file__).resolve().parent.parent
 
@@ -35,27 +36,35 @@ class StageSpec:
         return [root / o.format(p=pipeline) for o in self.outs]
 
 
-_EPISODES = ("flywheel/agent.py", "flywheel/envs", "flywheel/policies")
+_EPISODES = ("flywheel/agent.py", "flywheel/envs", "flywheel/policies", "flywheel/devices.py")
+# how every stage starts, ends and says what it returns: part of every stage's code
+_KERNEL = ("tasks/kernel.py", "flywheel/stages.py")
 STAGES: dict[str, StageSpec] = {s.name: s for s in [
     StageSpec("collect", (), ("environment", "collect"),
-              ("tasks/collect.py", "flywheel/data", "flywheel/envs"), ("data/{p}/collect",)),
+              ("tasks/collect.py", *_KERNEL, "flywheel/data", "flywheel/envs"), ("data/{p}/collect",)),
     StageSpec("synthesize", ("data/{p}/collect",), ("environment", "teacher", "synthesize"),
-              ("tasks/synthesize.py", "tasks/progress.py", "flywheel/synthesis.py", "flywheel/data", *_EPISODES),
+              ("tasks/synthesize.py", *_KERNEL, "tasks/progress.py", "flywheel/synthesis.py", "flywheel/data",
+               *_EPISODES),
               ("data/{p}/synthesize",)),
     StageSpec("sft", ("data/{p}/synthesize",), ("student", "sft"),
-              ("tasks/sft.py", "tasks/progress.py", "flywheel/data", "flywheel/train"),
+              ("tasks/sft.py", *_KERNEL, "tasks/progress.py", "flywheel/data", "flywheel/train", "flywheel/devices.py",
+               "flywheel/metrics.py"),
               ("models/{p}/base", "models/{p}/sft")),
     StageSpec("rl", ("data/{p}/collect", "models/{p}/sft"), ("environment", "rl"),
-              ("tasks/rl.py", "tasks/progress.py", "flywheel/data", "flywheel/train", *_EPISODES),
+              ("tasks/rl.py", *_KERNEL, "tasks/progress.py", "flywheel/data", "flywheel/train", "flywheel/metrics.py",
+               *_EPISODES),
               ("models/{p}/rl", "data/{p}/rl")),
     StageSpec("evaluate", ("data/{p}/collect", "data/{p}/synthesize", "data/{p}/rl", "models/{p}/base",
                            "models/{p}/sft", "models/{p}/rl"), ("environment", "evaluate", "gate"),
-              ("tasks/evaluate.py", "tasks/reports.py", "flywheel/data", "flywheel/evaluate", "flywheel/train",
-               *_EPISODES), ("data/{p}/evaluate",)),
+              ("tasks/evaluate.py", *_KERNEL, "tasks/reports.py", "flywheel/data", "flywheel/evaluate",
+               "flywheel/train", *_EPISODES), ("data/{p}/evaluate",)),
     StageSpec("register", ("models/{p}/rl", "data/{p}/evaluate"), ("gate",),
-              ("tasks/register.py", "flywheel/registry.py", "flywheel/promotion.py", "flywheel/evaluate"),
+              ("tasks/register.py", *_KERNEL, "flywheel/registry.py", "flywheel/promotion.py", "flywheel/evaluate"),
               ("data/{p}/register",)),
 ]}
+if tuple(STAGES) != STAGE_ORDER:
+    raise RuntimeError(f"tasks/spec.py STAGES {list(STAGES)} and flywheel/stages.py ORDER {list(STAGE_ORDER)} "
+                       "differ: a stage is one entry in each, in the same order")
 ORDER = list(STAGES)
 
 
@@ -63,10 +72,10 @@ def code_hash(spec: StageSpec) -> str:
     return content_hash([PACKAGE_ROOT / c for c in spec.code], PACKAGE_ROOT)
 
 
-def input_key(stage: str, pipeline: str, root: Path) -> str:
+def input_key(stage: str, pipeline: str, root: Path, cfg: PipelineConfig | None = None) -> str:
     """The content of a stage's inputs, config sections and code: equal keys mean equal work."""
     spec = STAGES[stage]
-    cfg = load_pipeline(pipeline, root / "pipelines.yaml")
+    cfg = cfg or load_pipeline(pipeline, root / "pipelines.yaml")
     parts = [stage, pipeline, content_hash(spec.dep_paths(root, pipeline, cfg), root),
              cfg.section_hash(*spec.config), code_hash(spec)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()

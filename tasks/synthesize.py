@@ -12,43 +12,37 @@ import json
 from pathlib import Path
 
 import pandas as pd
-from prefect import task
 
 from flywheel.agent import Episode, run_episodes
-from flywheel.config import TeacherConfig, load_pipeline
-from flywheel.data.catalog import Catalog
+from flywheel.config import TeacherConfig
 from flywheel.data.tasksets import row_task
-from flywheel.envs import Environment, get_environment
+from flywheel.envs import Environment
 from flywheel.envs.base import prompt_hash
 from flywheel.policies import Policy, get_policy
 from flywheel.policies.base import Sampling
-from flywheel.registry import stage_run
+from flywheel.stages import StageResult
 from flywheel.synthesis import sample_row, select_targets, trace_rows
-from tasks.caching import by_content
+from tasks.kernel import stage_context, stage_task
 from tasks.progress import Meter
-from tasks.spec import output_hashes
 
 # Conversations per run_episodes call: enough to keep every request slot busy through a turn, few enough
 # that progress shows and a straggler holds up only its own chunk.
 CHUNK = 256
 
 
-@task(name="synthesize", cache_key_fn=by_content("synthesize"), persist_result=True)
-def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> dict:
+@stage_task()
+def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> StageResult:
     """Teacher episodes on every train task, n samples each, scored by the rubric: the synthetic table."""
-    root_path = Path(root).resolve()
-    cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
-    catalog = Catalog(root_path, pipeline)
-    env = get_environment(cfg.environment.name)
-    params = cfg.model_dump(include={"teacher", "synthesize"})  # the key's variable NAME only, never the key
-    with stage_run(root_path, pipeline, "synthesize", parent_run_id, params) as run:
+    # params: the teacher's key variable's NAME only, never the key
+    with stage_context("synthesize", pipeline, root, parent_run_id, params=("teacher", "synthesize")) as stage:
+        cfg, catalog, env = stage.cfg, stage.catalog, stage.env
         task_table = catalog.read("tasks")
         tasks = [row_task(r) for r in task_table.to_dict("records") if r["split"] == "train"]
         n = cfg.synthesize.samples_per_task
         sampling = Sampling(temperature=cfg.synthesize.temperature, top_p=cfg.synthesize.top_p,
                             max_new_tokens=cfg.synthesize.max_new_tokens, seed=cfg.environment.seed)
-        teacher = build_teacher(cfg.teacher, env, root_path)
-        meter = Meter(run, len(tasks) * n, cfg.teacher)
+        teacher = build_teacher(cfg.teacher, env, stage.root)
+        meter = Meter(stage.run, len(tasks) * n, cfg.teacher)
         per_chunk = max(1, max(CHUNK, 8 * cfg.teacher.concurrency) // n)
         episodes: list[Episode] = []
         try:
@@ -81,10 +75,8 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
                    **meter.totals(),
                    **{f"teacher_{k}": v for k, v in sorted(stats.items())},
                    "cost_usd_spent": meter.cost(stats.get("tokens_in", 0), stats.get("tokens_out", 0))}
-        run.metrics(metrics)
-        outputs = output_hashes("synthesize", pipeline, root_path)
-        run.tags({f"flywheel.out.{k}": v for k, v in outputs.items()})
-    return {"stage": "synthesize", "run_id": run.run_id, "metrics": metrics, "outputs": outputs}
+        stage.run.metrics(metrics)
+        return stage.done(metrics)
 
 
 def build_teacher(cfg: TeacherConfig, env: Environment, root: Path) -> Policy:

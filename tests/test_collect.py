@@ -173,10 +173,10 @@ def test_collect_stage_writes_valid_tables(tmp_path, mlflow_store):
     assert (tasks["split"] == "train").sum() >= 600 and (tasks["split"] == "heldout").sum() >= 60
     assert set(tasks["origin"]) == {"generated", "trace"}
     assert tasks["task_id"].is_unique
-    assert result["metrics"]["quarantined"] == len(catalog.read("quarantine"))
-    assert result["metrics"]["source/examples/traces/records"] == 150
+    assert result.metrics["quarantined"] == len(catalog.read("quarantine"))
+    assert result.metrics["source/examples/traces/records"] == 150
 
-    run = MlflowClient().get_run(result["run_id"])
+    run = MlflowClient().get_run(result.run_id)
     [dataset] = run.inputs.dataset_inputs
     assert dataset.dataset.digest == run.data.tags["flywheel.out.collect"]
     assert dataset.dataset.name == "small-traces"
@@ -198,8 +198,8 @@ def test_no_malformed_record_crashes_the_stage(tmp_path, mlflow_store):
     quarantine = Catalog(tmp_path, "small").read("quarantine")
     expected = {f"traces.jsonl:{2 * i + 1}": kind for i, (_, kind) in enumerate(MALFORMED)}
     assert dict(zip(quarantine["location"].str.removeprefix("logs/"), quarantine["kind"], strict=True)) == expected
-    assert result["metrics"]["traces"] == 1 and result["metrics"]["duplicates"] == len(MALFORMED) - 1
-    assert result["metrics"]["quarantine_unanswered_tool_call"] == 3
+    assert result.metrics["traces"] == 1 and result.metrics["duplicates"] == len(MALFORMED) - 1
+    assert result.metrics["quarantine_unanswered_tool_call"] == 3
 
 
 def test_the_output_hash_is_the_one_dvc_records(project):
@@ -210,7 +210,7 @@ def test_the_output_hash_is_the_one_dvc_records(project):
 
     result = stage.fn(pipeline="small", root=str(project))
     dvc.commit(project, "collect", "small")
-    logged = MlflowClient().get_run(result["run_id"]).data.tags["flywheel.out.collect"]
+    logged = MlflowClient().get_run(result.run_id).data.tags["flywheel.out.collect"]
     assert dvc.lock_hashes(project, "collect", "small")["data/small/collect"] == logged
 
 

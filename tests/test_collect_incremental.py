@@ -73,31 +73,31 @@ def test_the_stage_reads_only_new_records_and_stays_reproducible(tmp_path, mlflo
     (tmp_path / "pipelines.yaml").write_text(config)
     catalog = Catalog(tmp_path, "small")
     first = stage.fn(pipeline="small", root=str(tmp_path))
-    assert first["metrics"]["records"] == 150
+    assert first.metrics["records"] == 150
     state = watermarks.state_path(tmp_path, "small")
     assert state.exists() and not state.is_relative_to(catalog.stage_dir("collect")), \
         "watermarks are project state, not part of the DVC output"
 
     rerun = stage.fn(pipeline="small", root=str(tmp_path))
-    assert rerun["metrics"]["records"] == 0 and rerun["outputs"] == first["outputs"], "nothing new: same bytes"
+    assert rerun.metrics["records"] == 0 and rerun.outputs == first.outputs, "nothing new: same bytes"
 
     log = tmp_path / "examples/traces/support-agent-2026-11-03.jsonl"
     _append(log, [_record(n) for n in range(5)])
     second = stage.fn(pipeline="small", root=str(tmp_path))
-    assert second["metrics"]["records"] == 5 and second["metrics"]["traces_new"] == 5
-    assert second["metrics"]["traces"] == first["metrics"]["traces"] + 5, "the table keeps earlier traces"
+    assert second.metrics["records"] == 5 and second.metrics["traces_new"] == 5
+    assert second.metrics["traces"] == first.metrics["traces"] + 5, "the table keeps earlier traces"
 
     full = stage.fn(pipeline="small", root=str(tmp_path), full=True)
-    assert full["metrics"]["records"] == 155
-    assert full["outputs"] == second["outputs"]
-    assert MlflowClient().get_run(full["run_id"]).data.tags["flywheel.out.collect"] == dvc_md5(
+    assert full.metrics["records"] == 155
+    assert full.outputs == second.outputs
+    assert MlflowClient().get_run(full.run_id).data.tags["flywheel.out.collect"] == dvc_md5(
         catalog.stage_dir("collect"))
 
     # outputs that are not the ones the watermark was written with (a `dvc checkout`, a removed folder): full
     shutil.rmtree(catalog.stage_dir("collect"))
-    assert stage.fn(pipeline="small", root=str(tmp_path))["metrics"]["records"] == 155
+    assert stage.fn(pipeline="small", root=str(tmp_path)).metrics["records"] == 155
     # a changed collect config: full
     (tmp_path / "pipelines.yaml").write_text(config.replace("heldout_fraction: 0.1, max_bad", "heldout_fraction: 0.2, "
                                                                                               "max_bad"))
     changed = stage.fn(pipeline="small", root=str(tmp_path))
-    assert changed["metrics"]["records"] == 155 and changed["outputs"] != full["outputs"]
+    assert changed.metrics["records"] == 155 and changed.outputs != full.outputs

@@ -184,9 +184,9 @@ def test_the_collect_stage_writes_no_secret_to_its_tables_or_mlflow(tmp_path, ml
     traces, quarantine = catalog.table_path("traces"), catalog.table_path("quarantine")
     assert len(catalog.read("traces")) == 1 and len(catalog.read("quarantine")) == 1  # something was written
     written = {"traces": _every_cell(traces), "quarantine": _every_cell(quarantine),
-               "mlflow": _mlflow_text(result["run_id"], tmp_path / "artifacts")}
+               "mlflow": _mlflow_text(result.run_id, tmp_path / "artifacts")}
     for where, text in written.items():
         for secret in secrets:
             assert secret not in text and secret.replace(" ", "") not in text, (where, secret)
     assert "<EMAIL>" in written["traces"] and "<EMAIL>" in written["quarantine"]
-    assert result["metrics"]["redacted_email"] > 0
+    assert result.metrics["redacted_email"] > 0

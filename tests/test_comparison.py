@@ -37,7 +37,7 @@ def _retrain_run(project, stages: list[str], gate_tag: str, version: str) -> str
             "flywheel.dvc.data/small/collect": "0123456789abcdef"}
     for name in stages:
         result = functions[name].fn("small", str(project), parent_run_id=parent.run_id)
-        tags[f"stage.{name}.run_id"] = result["run_id"]
+        tags[f"stage.{name}.run_id"] = result.run_id
     parent.tags(tags)
     parent.end()
     return parent.run_id

@@ -49,14 +49,14 @@ def test_schedule_and_trigger_errors_name_the_key(tmp_path):
 
 
 def test_plan_follows_the_file(tmp_path):
-    from flows.deployments import plan, retrain_deployment, sensor_deployment
+    from flows.deployments import plan
     from flywheel.config import load_pipelines
 
     _write(tmp_path, {"a": {"schedule": {"cron": "0 3 * * 1", "timezone": "Europe/Berlin"}},
                       "b": {"trigger": {"min_new_traces": 100}},
                       "c": {}})
     wanted = {p.full_name: p for p in plan(load_pipelines(tmp_path / "pipelines.yaml"), tmp_path)}
-    assert set(wanted) == {retrain_deployment("a"), retrain_deployment("b"), sensor_deployment("b")}
+    assert set(wanted) == {"retrain/a", "retrain/b", "watch-traces/b"}
     assert wanted["retrain/a"].cron == ("0 3 * * 1", "Europe/Berlin")
     assert wanted["retrain/b"].cron is None, "a trigger-only pipeline's retrain runs when its sensor says"
     assert wanted["watch-traces/b"].every_s == 300
@@ -81,7 +81,8 @@ def test_redeploy_reconciles_schedules_and_deployments(tmp_path, prefect_server)
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
 
-    from flows.deployments import deploy, plan, reconcile, runner_deployments, stage_deployment, stage_job_variables
+    from flows.deployments import deploy, plan, reconcile, runner_deployments, stage_job_variables
+    from flows.names import stage_deployment
     from flywheel.config import load_pipelines
 
     root = tmp_path / "project"
@@ -140,7 +141,7 @@ def test_redeploy_reconciles_schedules_and_deployments(tmp_path, prefect_server)
     # `flywheel serve` registers the same plan as served deployments; the pool's are left alone
     _write(root, {"c": {"trigger": {"min_new_traces": 5}}})
     wanted = plan(load_pipelines(root / "pipelines.yaml"), root)
-    for served in runner_deployments(root, wanted):
+    for served in runner_deployments(wanted):
         served.apply()
     reconcile(wanted, pool=None, root=root)
     assert _state(None) == {"retrain/c": [], "watch-traces/c": ["every 300s"]}

@@ -197,22 +197,6 @@ def test_groups_must_hold_one_task(student):
         make_groups(episodes[:2], 2, tokenizer, env.tools(), 128, 0, 0)
 
 
-def test_rubric_as_a_trl_reward_function():
-    from flywheel.train.rl.rewards import reward_function
-
-    env = CalculatorEnv()
-    tasks = list(itertools.islice(env.generate_tasks(2), 3))
-    episodes = run_episodes(env, OraclePolicy(env), tasks)
-    reward = reward_function(env, tasks)
-    prompts = [t.prompt for t in tasks]
-    completions = [e.messages[len(e.task.prompt):] for e in episodes]
-    completions[1] = [{"role": "assistant", "content": "no idea"}]
-    assert reward(prompts, completions, task_id=[t.task_id for t in tasks], trainer_state=None) == [1.0, 0.0, 1.0]
-    assert reward.__name__ == "calculator_rubric"
-    with pytest.raises(KeyError, match="unknown task_id"):
-        reward(prompts[:1], completions[:1], task_id=["nope"])
-
-
 @pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo"])
 def test_kl_to_the_starting_checkpoint_and_other_normalisations(student, tasks, tmp_path, loss_type):
     cfg = CFG.model_copy(update={"steps": 2, "kl_beta": 0.1, "loss_type": loss_type})

@@ -91,7 +91,7 @@ def test_the_teacher_key_is_nowhere_but_on_the_wire(root, openai_server, monkeyp
         "prefect logs": "\n".join(refused_logs + _prefect_logs(ok_id)),
         "prefect results": results.decode("utf-8", "replace"),
         "mlflow (refused run)": _mlflow_text(failed[0].info.run_id, tmp_path / "a"),
-        "mlflow (stage run)": _mlflow_text(result["run_id"], tmp_path / "b"),
+        "mlflow (stage run)": _mlflow_text(result.run_id, tmp_path / "b"),
         "data": json.dumps(Catalog(root, "t").read("synthetic").to_dict("records"), default=str),
     }
     for where, text in places.items():

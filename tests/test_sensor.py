@@ -55,7 +55,7 @@ def test_sensor_starts_one_retrain_until_it_is_done(project, prefect_server):
 
     (project / "pipelines.yaml").write_text(SMALL_PIPELINE + "    trigger: {min_new_traces: 100}\n")
     wanted = plan(load_pipelines(project / "pipelines.yaml"), project)
-    for deployment in runner_deployments(project, wanted):
+    for deployment in runner_deployments(wanted):
         deployment.apply()  # served deployments: runs wait as Scheduled, which is all the sensor looks at
     reconcile(wanted, pool=None, root=project)
 

@@ -14,7 +14,7 @@ from family_students import calculator_rows
 from flywheel.config import SFTConfig
 from flywheel.train.checkpoint import load_student
 from flywheel.train.sft import train_sft
-from flywheel.train.sft_launch import write_job
+from flywheel.train.sft_job import write_job
 
 # 200 steps saving every 40: the kill lands mid-run with a checkpoint on disk.
 CFG = SFTConfig(steps=200, batch_size=8, lr=3e-3, warmup_steps=5, max_length=128, eval_fraction=0.1, eval_every=50,

@@ -28,7 +28,7 @@ def test_sft_stage_logs_steps_eval_loss_inputs_and_origins(project):
     result = sft.fn("small", str(project))
 
     client = MlflowClient()
-    run = client.get_run(result["run_id"])
+    run = client.get_run(result.run_id)
     for metric in ("loss", "learning_rate", "tokens_per_s", "eval_loss"):
         assert client.get_metric_history(run.info.run_id, metric), metric
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [2, 4, 6, 8, 10]

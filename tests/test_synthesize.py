@@ -98,8 +98,8 @@ def test_stage_against_a_faulty_endpoint_is_complete_deterministic_and_keeps_the
     traces = catalog.read("traces")
     accepted_train = traces[(traces["outcome"] == "accepted") & (traces["split"] == "train")]
     assert len(accepted_train) > 0 and (table["teacher"] == "trace").sum() == len(accepted_train)
-    metrics = result["metrics"]
-    assert set(result) == {"stage", "run_id", "metrics", "outputs"}
+    metrics = result.metrics
+    assert (result.stage, result.gate, result.registration) == ("synthesize", None, None)
     assert metrics["samples"] == 2 * n_tasks and metrics["tasks_with_target_fraction"] == 1.0
     assert metrics["malformed_turns"] == 1 and metrics["teacher_retries"] == 4
     assert metrics["tokens_in"] == samples["tokens_in"].sum() > 0
@@ -108,7 +108,7 @@ def test_stage_against_a_faulty_endpoint_is_complete_deterministic_and_keeps_the
     assert "synthesize [####################]" in out and "/s" in out and "left" in out and "passed" in out
 
     # the key reached the server and nowhere else: not MLflow params, tags or metric names, not the data
-    run = MlflowClient().get_run(result["run_id"])
+    run = MlflowClient().get_run(result.run_id)
     assert run.data.params["teacher.api_key_env"] == KEY_ENV
     logged = json.dumps([run.data.params, run.data.tags, list(run.data.metrics)])
     assert KEY not in logged and KEY not in out
@@ -119,7 +119,7 @@ def test_stage_against_a_faulty_endpoint_is_complete_deterministic_and_keeps_the
     first, sent = path.read_bytes(), len(openai_server.received)
     again = synthesize.fn("t", str(root))
     assert len(openai_server.received) == sent and path.read_bytes() == first
-    assert again["metrics"]["teacher_requests"] == 0 and again["metrics"]["cost_usd_spent"] == 0
+    assert again.metrics["teacher_requests"] == 0 and again.metrics["cost_usd_spent"] == 0
 
 
 def test_a_killed_stage_resumes_without_sending_any_request_twice(root, openai_server):
@@ -144,8 +144,8 @@ def test_a_killed_stage_resumes_without_sending_any_request_twice(root, openai_s
 
     result = synthesize.fn("t", str(root))
     n_tasks = train_tasks(root)
-    assert result["metrics"]["samples"] == n_tasks and result["metrics"]["accepted"] == n_tasks
-    assert result["metrics"]["teacher_cache_hits"] >= held
+    assert result.metrics["samples"] == n_tasks and result.metrics["accepted"] == n_tasks
+    assert result.metrics["teacher_cache_hits"] >= held
     # every request answered exactly once across the killed run and the rerun
     assert openai_server.answers == 2 * n_tasks and set(openai_server.answered.values()) == {1}
 
@@ -162,10 +162,10 @@ def _rows(cache: Path) -> int:
 
 def test_the_oracle_teacher_stays_the_default(root, capsys):
     result = synthesize.fn("t", str(root))
-    assert set(result) == {"stage", "run_id", "metrics", "outputs"}
+    assert (result.stage, result.gate, result.registration) == ("synthesize", None, None)
     n_tasks = train_tasks(root)
-    assert result["metrics"]["samples"] == result["metrics"]["accepted"] == n_tasks
-    assert result["metrics"]["cost_usd"] == 0 and result["metrics"]["traces_added"] == 0
+    assert result.metrics["samples"] == result.metrics["accepted"] == n_tasks
+    assert result.metrics["cost_usd"] == 0 and result.metrics["traces_added"] == 0
     table = Catalog(root, "t").read("synthetic")
     assert table["accepted"].all() and (table["teacher"] == "oracle").all()
     assert f"{n_tasks}/{n_tasks} samples" in capsys.readouterr().out

@@ -97,3 +97,11 @@ def lock_hashes(root: Path, stage: str, pipeline: str) -> dict[str, str]:
         return {}
     entry = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).get(f"{stage}@{pipeline}", {})
     return {item["path"]: item.get("md5", "") for kind in ("deps", "outs") for item in entry.get(kind, [])}
+
+
+def lineage_tags(root: Path, pipeline: str, stages: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """`flywheel.dvc.<path>` -> md5 of every dataset and model the stages read or wrote, as dvc.lock records them."""
+    hashes = {}
+    for name in stages:
+        hashes |= lock_hashes(root, name, pipeline)
+    return {f"flywheel.dvc.{path}": md5 for path, md5 in sorted(hashes.items()) if md5}

@@ -1,4 +1,7 @@
-"""Record shapes: OpenAI chat records, a proxy's request/response logs, or any format through a field mapping."""
+"""Record shapes: OpenAI chat records, a proxy's request/response logs, or any format through a field mapping.
+
+Also what a trace reader raises: BadRecord for one record, SourceError for a whole source.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +19,10 @@ class BadRecord(ValueError):
     def __init__(self, kind: str, reason: str):
         super().__init__(reason)
         self.kind = kind
+
+
+class SourceError(RuntimeError):
+    """A source cannot be read at all (no such bucket, no access, no such experiment); names the source."""
 
 
 class PartialTurn(Exception):

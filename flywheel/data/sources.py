@@ -21,14 +21,11 @@ from typing import BinaryIO
 
 from flywheel.config import CollectConfig, SourceConfig
 from flywheel.data.catalog import expand
-from flywheel.data.shapes import BadRecord
+from flywheel.data.shapes import BadRecord, SourceError
+from flywheel.data.tracing import MlflowReader
 
 Item = tuple[str, str | None, dict | BadRecord]
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
-
-
-class SourceError(RuntimeError):
-    """A source cannot be read at all (no such bucket, no access, no such experiment); names the source."""
 
 
 def format_of(name: str, source: SourceConfig) -> tuple[str | None, bool]:
@@ -238,8 +235,6 @@ class S3Reader:
 
 def readers(cfg: CollectConfig, root: Path) -> list:
     """A reader for every source, in the config's order."""
-    from flywheel.data.tracing import MlflowReader
-
     made = []
     for source in cfg.sources:
         if source.path:

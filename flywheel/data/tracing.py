@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 
 from flywheel.config import SourceConfig
-from flywheel.data.shapes import BadRecord
+from flywheel.data.shapes import BadRecord, SourceError
 
 CHAT_SPANS = {"CHAT_MODEL", "LLM"}
 LOOKBACK_MS = 3_600_000  # an agent run longer than an hour that finishes late is read in full re-collects only
@@ -37,8 +37,6 @@ class MlflowReader:
         return MlflowClient(tracking_uri=self.source.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
 
     def _experiment(self, client) -> str:
-        from flywheel.data.sources import SourceError
-
         found = client.get_experiment_by_name(self.source.mlflow)
         if found is None:
             raise SourceError(f"source '{self.source.label}': no MLflow experiment named '{self.source.mlflow}' "

@@ -83,10 +83,20 @@ def _decide(candidate: pd.DataFrame, champion: pd.DataFrame | None, cfg: GateCon
         problems += _check_table(champion, "champion")
     if problems:
         return GateDecision(False, problems)
-
-    alpha = 1.0 - cfg.confidence
-    boot = {"n": cfg.bootstrap_samples, "alpha": alpha, "seed": cfg.seed}
+    boot = {"n": cfg.bootstrap_samples, "alpha": 1.0 - cfg.confidence, "seed": cfg.seed}
     candidate = candidate.assign(reward=candidate["reward"].astype(np.float64))
+    decision = _absolute_rules(candidate, cfg, boot)
+    if champion is None:
+        decision.numbers["slices"] = {str(name): {"candidate": float(rows["reward"].mean()), "rows": len(rows)}
+                                      for name, rows in candidate.groupby("slice", sort=True)}
+        decision.reasons.append("no champion: only the absolute rule (min_score) applies")
+        return decision
+    return _champion_rules(candidate, champion.assign(reward=champion["reward"].astype(np.float64)), cfg, boot,
+                           decision)
+
+
+def _absolute_rules(candidate: pd.DataFrame, cfg: GateConfig, boot: dict) -> GateDecision:
+    """The candidate on its own: min_score on its bootstrap score, and the token and latency limits."""
     score = bootstrap_mean(_task_means(candidate).to_numpy(), **boot)
     numbers: dict = {"candidate": {"score": score.estimate, "low": score.low, "high": score.high,
                                    "pass_rate": float(candidate["passed"].astype(float).mean()),
@@ -113,14 +123,13 @@ def _decide(candidate: pd.DataFrame, champion: pd.DataFrame | None, cfg: GateCon
         else:
             passed = False
             reasons.append(f"mean {column} per episode {mean:.4g} exceeds limit {limit}")
+    return GateDecision(passed, reasons, numbers)
 
-    if champion is None:
-        numbers["slices"] = {str(name): {"candidate": float(rows["reward"].mean()), "rows": len(rows)}
-                             for name, rows in candidate.groupby("slice", sort=True)}
-        reasons.append("no champion: only the absolute rule (min_score) applies")
-        return GateDecision(passed, reasons, numbers)
 
-    champion = champion.assign(reward=champion["reward"].astype(np.float64))
+def _champion_rules(candidate: pd.DataFrame, champion: pd.DataFrame, cfg: GateConfig, boot: dict,
+                    absolute: GateDecision) -> GateDecision:
+    """Against the champion, paired by (task_id, sample): the improvement (or non-inferiority) bound, slices."""
+    passed, reasons, numbers = absolute.passed, absolute.reasons, absolute.numbers
     pairs = candidate.merge(champion[KEY + ["reward"]], on=KEY, how="outer", suffixes=("", "_champion"),
                             indicator=True)
     only_candidate = int((pairs["_merge"] == "left_only").sum())

@@ -312,7 +312,7 @@ def launch_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTCo
                on_log: Callable[[int, dict], None] | None = None, chat_template: str | Path | None = None,
                accelerate_config: Path | None = None) -> dict:
     """Run train_sft under `accelerate launch` (DDP or FSDP); per-step metrics stream back to on_log."""
-    from flywheel.train.sft_launch import JOB_LOG, JOB_RESULT, write_job
+    from flywheel.train.sft_job import JOB_LOG, JOB_RESULT, write_job
 
     out_dir = Path(out_dir)
     config = Path(accelerate_config or Path("infra/accelerate") / f"{cfg.launcher}.yaml")

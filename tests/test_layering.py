@@ -1,0 +1,149 @@
+"""The import graph, read from the source with `ast`: no cycles, and the arrows point one way.
+
+`cli -> flows -> tasks -> flywheel -> libraries` (/work/shared/DESIGN.md, README "Layout"): nothing in
+flywheel/ but cli.py imports Prefect, tasks/ or flows/, and tasks/ never imports flows/. An import inside a
+function counts like one at the top of the module: moving an import into a function defers it, it does not
+remove the dependency, so a cycle through one is still a cycle (what `flywheel stage` or a worker imports
+first decides whether it breaks). Implicit imports of parent packages (`flywheel.data` before
+`flywheel.data.sources`) are not edges: Python runs a package's __init__ before its modules either way.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("flywheel", "tasks", "flows")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, int]]:
+    """(imported name, line) for every import in the module, at any depth; relative ones made absolute."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from a import b` imports module a.b when there is one, else names from a
+            found += [(f"{base}.{alias.name}", node.lineno) for alias in node.names]
+            found.append((base, node.lineno))
+    return found
+
+
+def _graph() -> dict[str, dict[str, int]]:
+    """module -> {project module it imports: line of the first such import}."""
+    modules = _modules()
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        edges: dict[str, int] = {}
+        for imported, line in _imports(name, path):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                edges.setdefault(imported, line)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle per strongly connected component that has one (Tarjan), each as a closed path of modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [_path_within(graph, sorted(c)) for c in components]
+
+
+def _path_within(graph: dict[str, dict[str, int]], component: list[str]) -> list[str]:
+    """A closed path through the component, from its first module back to it (breadth-first, shortest)."""
+    start, members = component[0], set(component)
+    previous = {start: None}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for nxt in graph[node]:
+            if nxt == start:
+                path = [node]
+                while previous[path[-1]] is not None:
+                    path.append(previous[path[-1]])
+                return [start, *reversed(path[:-1]), start] if len(path) > 1 else [start, node, start]
+            if nxt in members and nxt not in previous:
+                previous[nxt] = node
+                queue.append(nxt)
+    return component
+
+
+def _describe(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:], strict=False)) + \
+        f" -> {cycle[-1]}"
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = _graph()
+    assert len(graph) > 50 and "flywheel.data.sources" in graph["tasks.collect"], "the graph reads the imports"
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(_describe(graph, c) for c in cycles)
+
+
+def test_the_arrows_point_one_way():
+    forbidden = {"flywheel": ("prefect", "tasks", "flows"), "tasks": ("flows",)}
+    wrong = set()
+    for name, path in _modules().items():
+        if name == "flywheel.cli":  # the face of the project: free to call flows and stages
+            continue
+        banned = forbidden.get(name.partition(".")[0], ())
+        for imported, line in _imports(name, path):
+            top = imported.partition(".")[0]
+            if top in banned:
+                wrong.add(f"{path.relative_to(REPO)}:{line} imports from {top}/" if top != "prefect" else
+                             f"{path.relative_to(REPO)}:{line} imports Prefect")
+    assert not wrong, "layering (cli -> flows -> tasks -> flywheel):\n" + "\n".join(sorted(wrong))
+
+
+def test_a_cycle_through_a_function_level_import_is_found():
+    graph = {"a": {"b": 3}, "b": {"c": 10}, "c": {"a": 7}, "d": {"a": 1}}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
+    assert _describe(graph, ["a", "b", "c", "a"]) == "a (line 3) -> b (line 10) -> c (line 7) -> a"
+    assert _cycles({"a": {"b": 1}, "b": {}}) == []
