@@ -97,7 +97,8 @@ def test_circuit_breaker_stops_a_dead_endpoint_fast(openai_server):
         teacher.generate([t.prompt for t in tasks(20)], ENV.tools(), Sampling())
     # without the breaker: 20 requests x 7 attempts (140), with up to ~30 s of backoff each; counted, not timed
     # (timings are in benchmarks/, where a loaded machine cannot fail a test)
-    assert teacher.stats["requests"] <= 8 and teacher.stats["connection_errors"] == teacher.stats["requests"]
+    # requests still in flight when the breaker trips are cancelled, not failed: they count as requests only
+    assert 5 <= teacher.stats["connection_errors"] <= teacher.stats["requests"] <= 8, teacher.stats
 
 
 def test_an_open_breaker_does_not_wait_for_requests_still_hanging(openai_server):
@@ -166,5 +167,6 @@ def test_sample_indexes_count_identical_conversations():
 
 
 def test_vllm_policy_is_lazy_and_names_what_it_needs():
-    with pytest.raises(ImportError, match="GPU host"):
+    # no CUDA here: the policy says so before it would import vLLM (where CUDA is, a missing vLLM names the extra)
+    with pytest.raises((ImportError, RuntimeError), match="CUDA GPU only|GPU host"):
         get_policy("vllm", model="any")
