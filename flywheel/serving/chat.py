@@ -123,6 +123,12 @@ def _flag(body: dict, key: str) -> bool:
     return bool(value)
 
 
+def input_example(env) -> dict:
+    """A chat request in the environment's own terms: one of its task prompts, with its tools, answered greedily."""
+    task = next(iter(env.generate_tasks(seed=0)))
+    return {"messages": list(task.prompt), "tools": env.tools(), "temperature": 0.0, "max_tokens": 64}
+
+
 class ChatEngine:
     """A policy (hf or vllm) with its tokenizer and context length, answering checked requests."""
 
