@@ -19,6 +19,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastapi import FastAPI, Request  # at module level: FastAPI resolves the handlers' annotations here
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
 from flywheel import registry
 from flywheel.serving.chat import ChatEngine, RequestError, parse_request, stream_chunks
 from flywheel.serving.traffic import OUTCOMES, TrafficLog, UnknownAnswer
@@ -126,11 +131,6 @@ class AliasFollower:
 
 def create_app(follower: AliasFollower, traffic: TrafficLog | None):
     """The FastAPI app: chat completions, models, health, feedback; errors in OpenAI's error shape."""
-    from fastapi import FastAPI, Request
-    from fastapi.concurrency import run_in_threadpool
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.exceptions import HTTPException
-
     app = FastAPI(title=f"flywheel serve-model {follower.name}@{follower.alias}")
     names = {follower.name, f"{follower.name}@{follower.alias}"}
 
