@@ -71,7 +71,7 @@ MAKE_CALLS = {"demo": ["flywheel run demo"], "test": ["pytest -q"], "test-fast":
 # Subcommands whose --help the help rule reads; a tool command naming another one is unclassified.
 TOOL_SUBCOMMANDS = ["prefect server start", "prefect worker start", "prefect work-pool create", "mlflow ui",
                     "mlflow server", "dvc remote add", "dvc remote modify", "dvc pull", "dvc push", "dvc repro",
-                    "dvc status", "dvc commit", "dvc checkout"]
+                    "dvc status", "dvc commit", "dvc checkout", "mlflow models serve"]
 # Benchmarks the tests do not run, with the reason; `make bench` need not run them either.
 NOT_RUN_HERE = {"gpu_check.py": "needs a GPU: run it on a GPU machine"}
 # The keys of each benchmark's JSON line that the README's figures are read from.
@@ -84,6 +84,8 @@ FIGURES = {
                     "async_learner_idle_fraction", "speedup", "ideal_speedup", "fraction_of_ideal"},
     "demo_student.py": {"base_pass_rate", "sft_pass_rate", "sft_runtime_s", "sft_tokens_per_s"},
     "rl_gain.py": {"sft_pass_rate", "rl_pass_rate", "diff", "gate_passed"},
+    "serve.py": {"requests", "server_requests_per_s", "server_mean_latency_s", "generate_requests_per_s",
+                 "generate_mean_latency_s", "ratio"},
 }
 
 

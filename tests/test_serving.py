@@ -241,7 +241,10 @@ def test_mlflow_models_serve_answers_on_loopback(uri, tmp_path):
         process = subprocess.Popen(
             [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", f"models:/{NAME}@champion",
              "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
-            env=os.environ | {"MLFLOW_TRACKING_URI": uri}, stdout=out, stderr=subprocess.STDOUT,
+            # it runs `uvicorn` by name: the venv's bin on PATH, as in an activated venv
+            env=os.environ | {"MLFLOW_TRACKING_URI": uri,
+                              "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"},
+            stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)
     try:
         assert serving(f"http://127.0.0.1:{port}/ping", process, 180), log.read_text()[-3000:]
