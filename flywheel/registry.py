@@ -266,8 +266,9 @@ def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
              aliases: list[str], eval_table: Path | None = None, example: dict | None = None) -> Version:
     """Register the checkpoint as a new version, or return the one already holding this model_hash (idempotent).
 
-    The version is an MLflow pyfunc chat model over the checkpoint; `example` is its input example (a chat
-    request with messages and tools).
+    With `example` (a chat request with messages and tools: the model's input example, which MLflow answers
+    once while logging) the version is an MLflow pyfunc chat model over the checkpoint; without one it is the
+    checkpoint folder alone, as versions were before (tests' stand-in folders that cannot answer).
     """
     if "champion" in aliases:  # it moves under the promotion lock, compare-and-set, never as a side effect
         raise ValueError("register() does not set 'champion': use flywheel.promotion.promote")
@@ -280,11 +281,16 @@ def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
     if existing:
         mv = existing[0]
     else:
-        model_id = log_student(run, model_dir, name, example, tags)
+        version_tags = {"flywheel.model_hash": model_hash, **{k: str(v) for k, v in tags.items()}}
+        if example is not None:
+            model_id = log_student(run, model_dir, name, example, tags)
+            source = {"source": f"models:/{model_id}", "model_id": model_id}
+        else:
+            run.artifact(model_dir, "model")
+            source = {"source": run.artifact_uri("model")}
         if eval_table is not None:  # kept with the version so a later promotion can gate it again
             run.artifact(eval_table, "eval")
-        mv = c.create_model_version(name, source=f"models:/{model_id}", run_id=run.run_id, model_id=model_id,
-                                    tags={"flywheel.model_hash": model_hash, **{k: str(v) for k, v in tags.items()}})
+        mv = c.create_model_version(name, run_id=run.run_id, tags=version_tags, **source)
     for alias in aliases:
         c.set_registered_model_alias(name, alias, str(mv.version))
     return _version(c.get_model_version(name, str(mv.version)))
