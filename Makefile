@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/sft.py
 	$(BIN)/python benchmarks/rl_async.py
 	$(BIN)/python benchmarks/demo_student.py
+	$(BIN)/python benchmarks/serve.py
 	$(BIN)/flywheel run demo
 	$(BIN)/python benchmarks/rl_gain.py --student models/demo/sft
 

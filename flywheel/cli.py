@@ -362,6 +362,60 @@ def deploy(pool: str = typer.Option(..., "--pool", help="Work pool on the Prefec
     _print_reconciled(report, f"on work pool '{pool}'; run them with `prefect worker start --pool {pool}`")
 
 
+TRACES = typer.Option(None, "--traces", help="Folder for the served traffic (default: traces/served/<pipeline>/ "
+                      "under --root); the pipeline's collect.sources read it.")
+
+
+@app.command("serve-model")
+def serve_model(pipeline: str = typer.Argument(..., help="Pipeline name (the registered model's name)."),
+                alias: str = typer.Option("champion", "--alias", help="The alias whose version is served."),
+                host: str = typer.Option("127.0.0.1", "--host"),
+                port: int = typer.Option(8000, "--port"),
+                traces: Path | None = TRACES,
+                record: bool = typer.Option(True, "--record/--no-record", help="Record answers as traces."),
+                poll_s: float = typer.Option(10.0, "--poll-s", min=0.1, help="How often the alias is checked "
+                                             "(SIGHUP checks it at once)."),
+                backend: str = typer.Option("auto", "--backend", help="auto (vLLM with the gpu extra on a GPU, "
+                                            "else transformers), hf or vllm."),
+                device: str = typer.Option("auto", "--device", help="hf backend: auto, cpu, cuda or cuda:N."),
+                root: Path = ROOT) -> None:
+    """Serve the version behind an alias over the OpenAI protocol; its answers become traces collect reads."""
+    from flywheel.serving.server import ServeError, serve, traces_folder
+
+    root = _checked_root(root)
+    folder = (traces or traces_folder(root, pipeline)) if record else None
+    try:
+        serve(pipeline, alias, host, port, folder, poll_s, backend, device)
+    except ServeError as err:
+        _fail(str(err))
+
+
+@app.command()
+def loop(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yaml."),
+         rounds: int = typer.Option(2, "--rounds", min=1, help="Retrain, serve, drive the agent: this many times."),
+         episodes: int = typer.Option(100, "--episodes", min=1, help="Agent episodes against the server per round."),
+         traces: Path | None = TRACES,
+         push: bool = typer.Option(True, "--push/--no-push", help="Push datasets to the DVC remote."),
+         root: Path = ROOT) -> None:
+    """Close the flywheel: retrain, serve the champion, run the environment's agent on it, collect, retrain."""
+    from flywheel.config import ConfigError, load_pipeline
+    from flywheel.serving.loop import LoopError, check_sources, run_round
+    from flywheel.serving.server import traces_folder
+
+    root = _checked_root(root)
+    folder = traces or traces_folder(root, pipeline)
+    try:
+        check_sources(pipeline, load_pipeline(pipeline, root / "pipelines.yaml"), root, folder)
+    except (ConfigError, LoopError) as err:
+        _fail(str(err))
+    from flows.retrain import retrain
+
+    for number in range(1, rounds + 1):
+        summary = retrain(pipeline=pipeline, root=str(root), push=push)
+        line = run_round(pipeline, root, folder, summary, number, episodes)
+        typer.echo(line.text())
+
+
 def _print_summary(summary: dict, root: Path, seconds: float) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -7,6 +7,7 @@ import os
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -197,16 +198,78 @@ def get_version(name: str, version: str) -> Version:
 
 
 def download(version: Version, dst: Path | None = None) -> Path:
-    """Fetch a version's checkpoint folder; loads with from_pretrained like any other."""
+    """Fetch a version's checkpoint folder; loads with from_pretrained like any other.
+
+    A version is an MLflow model (the checkpoint under its artifacts/) or, registered before the models were
+    MLflow models, the checkpoint folder itself: both give the folder.
+    """
     import mlflow.artifacts
 
     dst = dst or Path(tempfile.mkdtemp(prefix=f"{version.name}-v{version.version}-"))
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(dst)))
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(dst)))
+    return checkpoint_in(local)
+
+
+def checkpoint_in(folder: Path) -> Path:
+    """The Hugging Face checkpoint inside a downloaded version: under artifacts/ for an MLflow model."""
+    from flywheel.serving.mlflow_model import CHECKPOINT
+
+    mlmodel = folder / "MLmodel"
+    if not mlmodel.exists():
+        return folder
+    flavor = (yaml.safe_load(mlmodel.read_text()).get("flavors") or {}).get("python_function") or {}
+    path = ((flavor.get("artifacts") or {}).get(CHECKPOINT) or {}).get("path")
+    if not path or not (folder / path).is_dir():
+        raise FileNotFoundError(f"{mlmodel}: names no '{CHECKPOINT}' artifact folder; not a flywheel student model")
+    return folder / path
+
+
+def pip_requirements() -> list[str]:
+    """What loading the model needs, pinned to what is installed (MLflow's own inference would look for
+    torchvision here); the flywheel package itself must be importable where it loads."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    wanted = ["mlflow", "torch", "transformers", "tokenizers", "safetensors", "jinja2", "jsonschema", "pandas",
+              "pandera", "peft"]
+    pins = []
+    for package in wanted:
+        try:
+            pins.append(f"{package}=={installed(package).split('+')[0]}")  # torch's +cpu is a local build
+        except PackageNotFoundError:
+            continue
+    return pins
+
+
+def log_student(run: Run, model_dir: Path, name: str, example: dict | None, tags: dict) -> str:
+    """Log the checkpoint as a pyfunc chat model in the run (signature, input example); its models:/ URI."""
+    import mlflow
+
+    from flywheel.serving.mlflow_model import CHECKPOINT, StudentChatModel
+
+    inside = f"artifacts/{model_dir.name}"  # where MLflow puts the artifact folder
+    metadata = {"flywheel.pipeline": name, "checkpoint": inside,
+                # the template the student was trained with travels in its tokenizer files
+                "chat_template": f"{inside}/chat_template.jinja" if (model_dir / "chat_template.jinja").exists()
+                else f"{inside}/tokenizer_config.json"}
+    with warnings.catch_warnings(), mlflow.start_run(run_id=run.run_id):  # thread-local: no other stage's run
+        warnings.simplefilter("ignore")  # ChatModel's deprecation, and "no signature for params" notes
+        info = mlflow.pyfunc.log_model(name="model", python_model=StudentChatModel(),
+                                       artifacts={CHECKPOINT: str(model_dir)}, input_example=example,
+                                       pip_requirements=pip_requirements(), metadata=metadata,
+                                       model_config={"model_name": name},
+                                       tags={k: str(v)[:5000] for k, v in tags.items()})
+    return info.model_id
 
 
 def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
-             aliases: list[str], eval_table: Path | None = None) -> Version:
-    """Register the checkpoint as a new version, or return the one already holding this model_hash (idempotent)."""
+             aliases: list[str], eval_table: Path | None = None, example: dict | None = None) -> Version:
+    """Register the checkpoint as a new version, or return the one already holding this model_hash (idempotent).
+
+    With `example` (a chat request with messages and tools: the model's input example, which MLflow answers
+    once while logging) the version is an MLflow pyfunc chat model over the checkpoint; without one it is the
+    checkpoint folder alone, as versions were before (tests' stand-in folders that cannot answer).
+    """
     if "champion" in aliases:  # it moves under the promotion lock, compare-and-set, never as a side effect
         raise ValueError("register() does not set 'champion': use flywheel.promotion.promote")
     c = client()
@@ -218,11 +281,16 @@ def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
     if existing:
         mv = existing[0]
     else:
-        run.artifact(model_dir, "model")
+        version_tags = {"flywheel.model_hash": model_hash, **{k: str(v) for k, v in tags.items()}}
+        if example is not None:
+            model_id = log_student(run, model_dir, name, example, tags)
+            source = {"source": f"models:/{model_id}", "model_id": model_id}
+        else:
+            run.artifact(model_dir, "model")
+            source = {"source": run.artifact_uri("model")}
         if eval_table is not None:  # kept with the version so a later promotion can gate it again
             run.artifact(eval_table, "eval")
-        mv = c.create_model_version(name, source=run.artifact_uri("model"), run_id=run.run_id,
-                                    tags={"flywheel.model_hash": model_hash, **{k: str(v) for k, v in tags.items()}})
+        mv = c.create_model_version(name, run_id=run.run_id, tags=version_tags, **source)
     for alias in aliases:
         c.set_registered_model_alias(name, alias, str(mv.version))
     return _version(c.get_model_version(name, str(mv.version)))

@@ -6,6 +6,7 @@ from flywheel import promotion, registry
 from flywheel.data import dvc
 from flywheel.data.catalog import content_hash
 from flywheel.evaluate.gate import GateDecision
+from flywheel.serving.chat import input_example
 from flywheel.stages import ORDER, StageResult
 from flywheel.train.checkpoint import adapter_base
 from tasks.caching import by_content
@@ -49,7 +50,8 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
                  **{f"flywheel.gate.{k}": round(v, 4) for k, v in (gate["numbers"].get("diff") or {}).items()
                     if isinstance(v, float)}}
         version = registry.register(run, pipeline, model_dir, model_hash, tags, ["challenger"],
-                                    eval_table=catalog.table_path("eval"))
+                                    eval_table=catalog.table_path("eval"),
+                                    example=input_example(stage.env))
         # compare-and-set: the gate was taken against the champion of evaluate time; if another run moved
         # champion since, the stored eval tables are gated again against the new one
         if promote:

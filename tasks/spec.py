@@ -59,7 +59,8 @@ STAGES: dict[str, StageSpec] = {s.name: s for s in [
               ("tasks/evaluate.py", *_KERNEL, "tasks/reports.py", "flywheel/data", "flywheel/evaluate",
                "flywheel/train", *_EPISODES), ("data/{p}/evaluate",)),
     StageSpec("register", ("models/{p}/rl", "data/{p}/evaluate"), ("gate",),
-              ("tasks/register.py", *_KERNEL, "flywheel/registry.py", "flywheel/promotion.py", "flywheel/evaluate"),
+              ("tasks/register.py", *_KERNEL, "flywheel/registry.py", "flywheel/promotion.py", "flywheel/evaluate",
+               "flywheel/serving/chat.py", "flywheel/serving/mlflow_model.py", "flywheel/policies/toolcalls.py"),
               ("data/{p}/register",)),
 ]}
 if tuple(STAGES) != STAGE_ORDER:

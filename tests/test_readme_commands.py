@@ -72,7 +72,7 @@ MAKE_CALLS = {"demo": ["flywheel run demo"], "test": ["pytest -q"], "test-fast":
 # Subcommands whose --help the help rule reads; a tool command naming another one is unclassified.
 TOOL_SUBCOMMANDS = ["prefect server start", "prefect worker start", "prefect work-pool create", "mlflow ui",
                     "mlflow server", "dvc remote add", "dvc remote modify", "dvc pull", "dvc push", "dvc repro",
-                    "dvc status", "dvc commit", "dvc checkout"]
+                    "dvc status", "dvc commit", "dvc checkout", "mlflow models serve"]
 # Benchmarks the tests do not run, with the reason; `make bench` need not run them either.
 # Benchmarks whose --quick form cannot run here either (none today: gpu_check.py --quick runs its path on the CPU).
 NOT_RUN_HERE: dict[str, str] = {}
@@ -89,6 +89,8 @@ FIGURES = {
     "demo_student.py": {"base_pass_rate", "sft_pass_rate", "sft_runtime_s", "sft_tokens_per_s"},
     "rl_gain.py": {"sft_pass_rate", "rl_pass_rate", "diff", "gate_passed"},
     "gpu_check.py": {"mode", "sft_full", "sft_lora", "sft_qlora", "rl", "evaluate", "wall_s"},
+    "serve.py": {"requests", "server_requests_per_s", "server_mean_latency_s", "generate_requests_per_s",
+                 "generate_mean_latency_s", "ratio"},
 }
 
 

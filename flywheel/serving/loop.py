@@ -1,0 +1,118 @@
+"""One turn of the flywheel after a retrain: serve the champion, drive the environment's agent against it with
+the harness as the client (the `openai` policy), label each episode through /v1/feedback, and report.
+
+The next retrain's collect reads what the server recorded, because the pipeline's `collect.sources` include
+the traffic folder (check_sources makes sure of it before anything runs).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+from flywheel import registry
+from flywheel.config import PipelineConfig
+
+
+class LoopError(RuntimeError):
+    """The loop cannot close: served traffic would not come back to collect, or nothing is served."""
+
+
+@dataclass
+class Round:
+    """What one round did: the version served, what the agent did against it, what the retrain saw."""
+
+    number: int
+    version: str
+    collected_new: int  # traces this round's retrain collected that it had not seen (the last round's traffic)
+    heldout_success: float  # the champion's held-out success after this round's retrain (greedy)
+    answers: int  # requests the server answered (each one a trace record)
+    episodes: int
+    passed: int
+
+    def text(self) -> str:
+        return (f"round {self.number}: champion version {self.version}; held-out success {self.heldout_success:.3f}; "
+                f"new traces collected {self.collected_new}; served {self.answers} answers to {self.episodes} "
+                f"episodes ({self.passed} solved), recorded for the next collect")
+
+
+def check_sources(pipeline: str, cfg: PipelineConfig, root: Path, folder: Path) -> None:
+    """LoopError unless a collect source's glob matches the traffic files written to `folder`."""
+    probe = str((folder / "traffic-2000-01-01.jsonl").resolve())
+    for source in cfg.collect.sources:
+        if source.path and any(fnmatch.fnmatch(probe, str((root / p).resolve()) if not os.path.isabs(p) else p)
+                               for p in source.path):
+            return
+    where = os.path.relpath(folder, root)
+    raise LoopError(f"pipelines.yaml: no path in pipelines.{pipeline}.collect.sources matches {where}/*.jsonl, so "
+                    f"the served traffic would never be collected; add \"{where}/*.jsonl\" to the sources")
+
+
+def run_round(pipeline: str, root: Path, folder: Path, summary: dict, number: int, episodes: int,
+              seed: int | None = None) -> Round:
+    """Serve the champion the retrain left, run `episodes` agent episodes against it, label them; the Round."""
+    import httpx
+
+    from flywheel.agent import run_episodes
+    from flywheel.config import load_pipeline
+    from flywheel.envs import get_environment
+    from flywheel.policies.base import Sampling
+    from flywheel.policies.openai import OpenAIPolicy
+    from flywheel.serving.server import ModelServer
+
+    cfg = load_pipeline(pipeline, root / "pipelines.yaml")
+    env = get_environment(cfg.environment.name)
+    # fresh prompts each round, never the held-out ones' seed stream
+    tasks = list(islice(env.generate_tasks(seed if seed is not None else 1000 + number), episodes))
+    with ModelServer(pipeline, "champion", traces=folder) as server:
+        version = server.follower.current.version.version
+        policy = OpenAIPolicy(model=pipeline, base_url=server.url, concurrency=4, max_retries=2)
+        done = run_episodes(env, policy, tasks, sampling=Sampling(temperature=0.0, max_new_tokens=64),
+                            max_turns=cfg.environment.max_turns, tool_timeout_s=cfg.environment.tool_timeout_s)
+        final = _final_answers(server.traffic.folder, server.traffic.recorded)
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            for episode in done:
+                answer_id = final.pop(_prompt_key(episode.task.prompt), [None]).pop(0) if episode.stop == "answer" \
+                    else None
+                if answer_id:  # the operator's verdict: the environment's rubric
+                    http.post("/feedback", json={"id": answer_id, "score": episode.reward,
+                                                 "outcome": "accepted" if episode.passed else "rejected"})
+        answers = server.traffic.recorded
+    scores = summary["scores"]
+    # the champion was evaluated as "champion" unless it is this run's candidate (promoted, or the same model)
+    champion_is_candidate = summary.get("champion") == summary.get("version") or "score_champion" not in scores
+    score = scores["score_rl"] if champion_is_candidate else scores["score_champion"]
+    return Round(number=number, version=version, collected_new=_collected_new(summary), heldout_success=float(score),
+                 answers=answers, episodes=len(done), passed=sum(e.passed for e in done))
+
+
+def _prompt_key(messages: list[dict]) -> str:
+    user = next(m for m in messages if m.get("role") == "user")
+    return json.dumps(user.get("content"), ensure_ascii=False)
+
+
+def _final_answers(folder: Path, count: int) -> dict[str, list[str]]:
+    """Response ids of the last `count` answers that ended a turn (no tool calls), by the prompt they answer."""
+    lines: list[str] = []
+    for path in sorted(folder.glob("traffic-*.jsonl")):
+        lines += path.read_text(encoding="utf-8").splitlines()
+    found: dict[str, list[str]] = {}
+    for line in lines[-count:] if count else []:
+        record = json.loads(line)
+        message = record["response"]["choices"][0]["message"]
+        if not message.get("tool_calls"):
+            found.setdefault(_prompt_key(record["request"]["messages"]), []).append(record["id"])
+    return found
+
+
+def _collected_new(summary: dict) -> int:
+    """traces_new of the collect stage the retrain ran (0 when it came from the cache)."""
+    c = registry.client()
+    collect_run = c.get_run(summary["run_id"]).data.tags.get("stage.collect.run_id")
+    if not collect_run or c.get_run(summary["run_id"]).data.tags.get("stage.collect") != "ran":
+        return 0
+    return int(c.get_run(collect_run).data.metrics.get("traces_new", 0))

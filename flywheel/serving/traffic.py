@@ -1,0 +1,97 @@
+"""Served traffic as traces: each answered request one JSON Lines record in the proxy-log shape collect reads.
+
+A record is `{"id", "timestamp", "request": {...}, "response": {...}, "served": {model, version, alias}}`:
+collect's `proxy` shape takes the conversation from `request.messages` plus the response's first choice, skips
+an answer that ends in tool calls (the next request holds the whole turn), and keeps the rest of the record,
+`served` included, as the trace's metadata. Point a pipeline's `collect.sources` at the folder.
+
+Labels (`POST /v1/feedback`) are the same record again with `outcome`/`score`, written to `labels-*.jsonl`.
+Collect keeps one row per conversation: the one that sorts first by (time, source, file, line). A label keeps
+its answer's time, and `labels-` sorts before `traffic-`, so the labelled row replaces the unlabelled one even
+when it arrives after a collect run; the first label of an answer is the one that counts.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from datetime import UTC, datetime
+from pathlib import Path
+
+OUTCOMES = ("accepted", "rejected", "unknown")
+_REMEMBERED = 50_000  # answers kept in memory for labelling; older ones are found by reading the files
+_REQUEST_KEYS = ("model", "temperature", "top_p", "n", "max_tokens", "max_completion_tokens", "seed", "tool_choice")
+
+
+class UnknownAnswer(KeyError):
+    """Feedback for an id this server never answered (or whose files are gone)."""
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _stamp(moment: datetime) -> str:
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class TrafficLog:
+    """Appends answered requests to `<folder>/traffic-YYYY-MM-DD.jsonl` and labels to `labels-YYYY-MM-DD.jsonl`."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._recent: OrderedDict[str, dict] = OrderedDict()
+        self.recorded = 0
+        self.labelled = 0
+
+    def record(self, body: dict, response: dict, served: dict) -> dict:
+        """Write one answered request: the request as sent (messages, tools, sampling), the response, and
+        what served it."""
+        moment = _now()
+        request = {"messages": body["messages"], **{k: body[k] for k in _REQUEST_KEYS if k in body}}
+        if body.get("tools"):
+            request["tools"] = body["tools"]
+        record = {"id": response["id"], "timestamp": _stamp(moment), "request": request, "response": response,
+                  "served": served}
+        self._append(f"traffic-{moment:%Y-%m-%d}.jsonl", record)
+        with self._lock:
+            self.recorded += 1
+            self._recent[record["id"]] = record
+            while len(self._recent) > _REMEMBERED:
+                self._recent.popitem(last=False)
+        return record
+
+    def label(self, answer_id: str, outcome: str | None = None, score: float | None = None) -> dict:
+        """Record an operator's verdict on an answer (by its response id); UnknownAnswer if there is none."""
+        record = self._find(answer_id)
+        labelled = dict(record)
+        if outcome is not None:
+            labelled["outcome"] = outcome
+        if score is not None:
+            labelled["score"] = score
+        labelled["labelled_at"] = _stamp(_now())
+        self._append(f"labels-{_now():%Y-%m-%d}.jsonl", labelled)
+        with self._lock:
+            self.labelled += 1
+        return labelled
+
+    def _find(self, answer_id: str) -> dict:
+        with self._lock:
+            if answer_id in self._recent:
+                return self._recent[answer_id]
+        for path in sorted(self.folder.glob("traffic-*.jsonl"), reverse=True):  # newest day first
+            with path.open(encoding="utf-8") as handle:
+                for line in handle:
+                    if answer_id in line:
+                        record = json.loads(line)
+                        if record.get("id") == answer_id:
+                            return record
+        raise UnknownAnswer(answer_id)
+
+    def _append(self, name: str, record: dict) -> None:
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        with self._lock, (self.folder / name).open("a", encoding="utf-8") as handle:
+            handle.write(line)  # one write of a whole line: a reader never sees half a record as complete

@@ -1,0 +1,257 @@
+"""Serving: the registered version as an MLflow pyfunc model, `flywheel serve-model` over the OpenAI protocol with
+the `openai` client, following the alias, bad input, and served traffic coming back through collect.
+
+One small MLflow store for the module: version 1 is a tiny student given 60 SFT steps (enough to call the
+calculator tool), version 2 the same student untrained (a different model to move the alias to).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from itertools import islice
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from flywheel.envs.calculator import CalculatorEnv
+
+NAME = "served"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """(tracking URI, folder) with versions 1 (champion, calls tools) and 2 (untrained) of the model 'served'."""
+    from family_students import calculator_rows
+
+    from flywheel import registry
+    from flywheel.config import SFTConfig, TinyModelConfig
+    from flywheel.serving.chat import input_example
+    from flywheel.train.sft import train_sft
+    from flywheel.train.tiny import build_tiny_student, environment_corpus
+
+    root = tmp_path_factory.mktemp("serving")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        # hidden 64 and 2 layers: the smallest student that calls the tool after 60 steps
+        base = build_tiny_student(environment_corpus(CalculatorEnv(), n=300, seed=0),
+                                  TinyModelConfig(hidden_size=64, layers=2, heads=4, vocab_size=400, seed=0),
+                                  root / "base")
+        trained = root / "trained"
+        train_sft(base, calculator_rows(200), trained,
+                  SFTConfig(steps=60, batch_size=16, lr=3e-3, warmup_steps=5, max_length=128, eval_fraction=0.0),
+                  device="cpu")
+        example = input_example(CalculatorEnv())
+        for model_dir, model_hash in ((trained, "trained"), (base, "untrained")):
+            run = registry.start_run(root, NAME, "register")
+            registry.register(run, NAME, model_dir, model_hash, {"flywheel.gate": "passed"}, [], example=example)
+            run.end()
+        registry.client().set_registered_model_alias(NAME, "champion", "1")
+        yield os.environ["MLFLOW_TRACKING_URI"], root
+
+
+@pytest.fixture
+def uri(store, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store[0])
+    from flywheel import registry
+
+    registry.client().set_registered_model_alias(NAME, "champion", "1")  # whatever a test before did
+    return store[0]
+
+
+@pytest.fixture
+def server(uri, tmp_path):
+    from flywheel.serving.server import ModelServer
+
+    with ModelServer(NAME, traces=tmp_path / "served", poll_s=0.5, device="cpu") as running:
+        yield running
+
+
+def _prompt(seed: int = 3) -> list[dict]:
+    return next(CalculatorEnv().generate_tasks(seed)).prompt
+
+
+def test_pyfunc_loads_the_champion_and_answers_with_parsed_tool_calls(uri):
+    import mlflow
+
+    from flywheel import registry
+    from flywheel.policies.base import Sampling
+    from flywheel.policies.hf import HFPolicy
+
+    model = mlflow.pyfunc.load_model(f"models:/{NAME}@champion")
+    assert "tools" in model.metadata.get_input_schema().input_names()
+    tools = CalculatorEnv().tools()
+    answer = model.predict({"messages": _prompt(), "tools": tools, "temperature": 0.0, "max_tokens": 48})
+    message = answer["choices"][0]["message"]
+    assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    # the harness's own parser on the same checkpoint's greedy text gives the same call
+    checkpoint = registry.download(registry.get_alias(NAME, "champion"))
+    expected = HFPolicy(checkpoint, device="cpu").generate([_prompt()], tools, Sampling(max_new_tokens=48))[0]
+    assert [c["function"] for c in message["tool_calls"]] == [c["function"] for c in expected.message["tool_calls"]]
+    assert message["tool_calls"][0]["function"]["name"] == "calculator"
+    # the registered version carries a chat-messages input example with tools, and the student's template
+    folder = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1"))
+    example = json.loads((folder / "input_example.json").read_text())
+    assert example["messages"][0]["role"] == "user" and example["tools"][0]["function"]["name"] == "calculator"
+    assert (checkpoint / "chat_template.jinja").exists()
+
+
+def test_versions_registered_as_plain_folders_still_download_and_promote(uri, tiny_student, tmp_path):
+    from flywheel import promotion, registry
+    from flywheel.config import GateConfig
+    from flywheel.status import pipeline_status
+
+    old = "oldstyle"
+    run = registry.start_run(tmp_path, old, "register")
+    run.artifact(tiny_student, "model")  # what register() did before versions were MLflow models
+    c = registry.client()
+    c.create_registered_model(old)
+    c.create_model_version(old, source=run.artifact_uri("model"), run_id=run.run_id,
+                           tags={"flywheel.model_hash": "h-old"})
+    run.end()
+    outcome = promotion.promote(old, "1", GateConfig(), force=True)
+    assert outcome.promoted and registry.get_alias(old, "champion").version == "1"
+    assert (registry.download(registry.get_alias(old, "champion")) / "config.json").exists()
+    assert pipeline_status(old).aliases[0].version == "1"
+
+
+def test_openai_client_gets_tool_calls_n_choices_and_a_stream(server):
+    client = openai.OpenAI(base_url=server.url, api_key="unused")
+    tools = CalculatorEnv().tools()
+    answer = client.chat.completions.create(model=NAME, messages=_prompt(), tools=tools, temperature=0.0, n=2,
+                                            max_tokens=48)
+    assert len(answer.choices) == 2
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.tool_calls[0].function.name == "calculator"
+        json.loads(choice.message.tool_calls[0].function.arguments)
+    assert answer.system_fingerprint == f"{NAME}-v1" and answer.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(model=NAME, messages=_prompt(), tools=tools, temperature=0.0,
+                                                 max_tokens=48, stream=True))
+    streamed = [call for chunk in chunks for call in (chunk.choices[0].delta.tool_calls or [])]
+    assert streamed and streamed[0].function.name == "calculator"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [m.id for m in client.models.list().data] == [NAME, f"{NAME}@champion"]
+    assert httpx.get(server.url.removesuffix("/v1") + "/health").json()["version"] == "1"
+
+
+@pytest.mark.parametrize("change, status, param", [
+    ({"model": "someone-else"}, 404, "model"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages"),
+    ({"messages": [{"role": "tool", "tool_call_id": "x", "content": "1"}]}, 400, "messages"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objet"}}}]}, 400, "tools[0]"),
+    ({"messages": [{"role": "user", "content": "1 + 1 " * 400}]}, 400, "messages"),
+    ({"n": 0}, 400, "n"),
+])
+def test_bad_requests_get_an_openai_error_and_nothing_is_recorded(server, change, status, param):
+    body = {"model": NAME, "messages": _prompt(), "tools": CalculatorEnv().tools(), "max_tokens": 8} | change
+    reply = httpx.post(server.url + "/chat/completions", json=body, timeout=60)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    assert server.traffic.recorded == 0 and not list(server.traffic.folder.glob("*.jsonl"))
+
+
+def test_the_alias_moving_switches_the_served_version_without_a_restart(server):
+    from flywheel import registry
+
+    client = openai.OpenAI(base_url=server.url, api_key="unused")
+    registry.client().set_registered_model_alias(NAME, "champion", "2")
+    deadline = time.monotonic() + 60
+    while server.follower.current.version.version != "2":
+        assert time.monotonic() < deadline, "the server never moved to version 2"
+        time.sleep(0.2)
+    answer = client.chat.completions.create(model=NAME, messages=_prompt(), temperature=0.0, max_tokens=8)
+    assert answer.system_fingerprint == f"{NAME}-v2"
+    registry.client().set_registered_model_alias(NAME, "champion", "1")  # a rollback: SIGHUP's path, no wait
+    server.reload()
+    deadline = time.monotonic() + 60
+    while httpx.get(server.url.removesuffix("/v1") + "/health").json()["version"] != "1":
+        assert time.monotonic() < deadline, "the server never moved back to version 1"
+        time.sleep(0.2)
+    assert server.follower.swaps == 2
+
+
+def test_no_version_behind_the_alias_refuses_to_start(uri):
+    from flywheel.serving.server import ModelServer, ServeError
+
+    with pytest.raises(ServeError, match=f"'{NAME}'.*'nobody'"):
+        with ModelServer(NAME, alias="nobody"):
+            pass
+
+
+def test_served_traffic_is_collected_with_its_version_and_labels(server, tmp_path):
+    from flywheel.agent import run_episodes
+    from flywheel.config import CollectConfig
+    from flywheel.data.redaction import Redactor
+    from flywheel.data.sources import readers
+    from flywheel.data.traces import collect
+    from flywheel.policies.base import Sampling
+    from flywheel.policies.openai import OpenAIPolicy
+
+    env = CalculatorEnv()
+    policy = OpenAIPolicy(model=NAME, base_url=server.url, concurrency=2, max_retries=0)
+    episodes = run_episodes(env, policy, list(islice(env.generate_tasks(7), 3)),
+                            sampling=Sampling(temperature=0.0, max_new_tokens=48), max_turns=3)
+    assert server.traffic.recorded >= 3 and all(e.turns >= 1 for e in episodes)
+    finals = [json.loads(line) for line in next(server.traffic.folder.glob("traffic-*.jsonl")).read_text().splitlines()
+              if not json.loads(line)["response"]["choices"][0]["message"].get("tool_calls")]
+    assert finals, "no episode ended with an answer; the tiny student should answer after the tool result"
+
+    cfg = CollectConfig(sources=[str(server.traffic.folder.relative_to(tmp_path) / "*.jsonl")])
+    first = collect(readers(cfg, tmp_path), cfg, Redactor(cfg.redact))
+    assert len(first.traces) == len({json.dumps(f["request"]["messages"]) for f in finals})
+    row = first.traces[0]
+    assert json.loads(row["metadata"])["served"] == {"model": NAME, "alias": "champion", "version": "1"}
+    assert row["outcome"] == "unknown" and first.partial >= 1  # the tool-call turns live inside the final ones
+
+    # a label that arrives after that collect replaces the unlabelled row in the next one
+    labelled = finals[0]
+    reply = httpx.post(server.url + "/feedback", json={"id": labelled["id"], "outcome": "accepted", "score": 1.0})
+    assert reply.status_code == 200, reply.text
+    assert httpx.post(server.url + "/feedback", json={"id": "chatcmpl-none", "outcome": "accepted"}).status_code == 404
+    assert httpx.post(server.url + "/feedback", json={"id": labelled["id"], "outcome": "great"}).status_code == 400
+    again = collect(readers(cfg, tmp_path), cfg, Redactor(cfg.redact), previous=(first.traces, first.quarantine))
+    row = next(r for r in again.traces if json.loads(r["metadata"])["id"] == labelled["id"])
+    assert (row["outcome"], row["score"]) == ("accepted", 1.0), (row, again.traces)
+    assert len(again.traces) == len(first.traces)
+
+
+def test_the_backend_is_transformers_without_vllm_and_a_gpu():
+    from flywheel.serving.server import ServeError, choose_backend
+
+    assert choose_backend("hf") == "hf"
+    assert choose_backend("auto") == "hf"  # no vllm, no GPU here
+    with pytest.raises(ServeError, match="vllm"):
+        choose_backend("vllm")
+
+
+@pytest.mark.slow
+def test_mlflow_models_serve_answers_on_loopback(uri, tmp_path):
+    from flows.deployments import free_port, serving, stop_process_group
+
+    port = free_port()
+    log = tmp_path / "models-serve.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", f"models:/{NAME}@champion",
+             "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
+            # it runs `uvicorn` by name: the venv's bin on PATH, as in an activated venv
+            env=os.environ | {"MLFLOW_TRACKING_URI": uri,
+                              "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"},
+            stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        assert serving(f"http://127.0.0.1:{port}/ping", process, 180), log.read_text()[-3000:]
+        body = {"messages": _prompt(), "tools": CalculatorEnv().tools(), "temperature": 0.0, "max_tokens": 48}
+        reply = httpx.post(f"http://127.0.0.1:{port}/invocations", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        call = reply.json()["choices"][0]["message"]["tool_calls"][0]
+        assert call["function"]["name"] == "calculator"
+    finally:
+        stop_process_group(process)
