@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flywheel.config import SFTConfig
-from flywheel.metrics import SFT_LAST_LOSS, SFT_LOSS
+from flywheel.metrics import SFT_LAST_LOSS
 from flywheel.train.checkpoint import canonical_messages, encode_conversation, load_student, save_student
 from flywheel.train.templates import training_template
 
@@ -138,6 +138,8 @@ def train_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTCon
     """
     if cfg.launcher != "single":
         return launch_sft(base_dir, rows, out_dir, cfg, on_log, chat_template, accelerate_config)
+    from flywheel.train.sft_log import tokens_this_session
+
     out_dir = Path(out_dir)
     with _quiet_progress():
         trainer, resume, counts = build_sft_trainer(base_dir, rows, out_dir, cfg, on_log, chat_template, device)
@@ -147,7 +149,7 @@ def train_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTCon
         eval_loss = _final_eval_loss(trainer)
         _save(trainer, out_dir, base_dir, cfg)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    tokens = trainer.state.num_input_tokens_seen - trainer.tokens_at_start
+    tokens = tokens_this_session(trainer)
     return {"train_loss": float(result.training_loss), SFT_LAST_LOSS: float(losses[-1]) if losses else None,
             "eval_loss": eval_loss, "steps": int(trainer.state.global_step), "runtime_s": runtime,
             "tokens": int(tokens), "tokens_per_s": tokens / runtime if runtime > 0 else 0.0,
@@ -198,9 +200,10 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
                       device: str = "auto"):
     """The configured SFTTrainer (dataset tokenized, labels masked), the checkpoint to resume from, and counts."""
     import datasets
-    from transformers import PrinterCallback, TrainerCallback
-    from trl import SFTConfig as TRLConfig
+    from transformers import PrinterCallback
     from trl import SFTTrainer
+
+    from flywheel.train.sft_log import StepLog
 
     out_dir = Path(out_dir)
     if not rows:
@@ -216,12 +219,23 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
     checkpoints = out_dir.parent / "sft-checkpoints"
     resume = _resume_point(checkpoints, _fingerprint(base_dir, records, cfg, template))
     heldout = bool(examples.heldout)
+    trainer = SFTTrainer(model=model, args=_training_args(cfg, checkpoints, on_cpu, heldout),
+                         train_dataset=datasets.Dataset.from_list(examples.train),
+                         eval_dataset=datasets.Dataset.from_list(examples.heldout) if heldout else None,
+                         processing_class=tokenizer, callbacks=[StepLog(on_log)], peft_config=_peft_config(cfg))
+    trainer.remove_callback(PrinterCallback)  # it prints every log dict; on_log is the one outlet
+    return trainer, resume, examples.counts
 
-    args = TRLConfig(
+
+def _training_args(cfg: SFTConfig, checkpoints: Path, on_cpu: bool, heldout: bool):
+    """TRL's SFTConfig for cfg: checkpoints saved to `checkpoints`, evaluation only with a held-out slice."""
+    from trl import SFTConfig as TRLConfig
+
+    return TRLConfig(
         output_dir=str(checkpoints), max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
         per_device_eval_batch_size=cfg.batch_size, learning_rate=cfg.lr, lr_scheduler_type="cosine",
         warmup_steps=cfg.warmup_steps, seed=cfg.seed, data_seed=cfg.seed, max_length=cfg.max_length,
-        # labels are built above (assistant tokens only), so TRL neither re-tokenises nor re-masks
+        # labels are built by tokenize_records (assistant tokens only), so TRL neither re-tokenises nor re-masks
         assistant_only_loss=False, completion_only_loss=False, packing=False,
         # TRL's defaults are for GPUs: bf16 and activation checkpointing on. Off here (fp32).
         use_cpu=on_cpu, bf16=False, fp16=False, gradient_checkpointing=False,
@@ -232,38 +246,6 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
         report_to="none", disable_tqdm=True, include_num_input_tokens_seen="non_padding",
         dataloader_num_workers=0, ddp_find_unused_parameters=False,
     )
-
-    class Forward(TrainerCallback):
-        """Pass each logging step's numbers (with tokens/s over the step window) to the caller."""
-
-        last = (0.0, 0)
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            # called after a resumed run's state is loaded: rates count this session's tokens only
-            self.last = (time.perf_counter(), state.num_input_tokens_seen)
-            trainer.tokens_at_start = state.num_input_tokens_seen
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if on_log is None or not logs or not state.is_world_process_zero:
-                return
-            if "eval_loss" in logs:
-                on_log(state.global_step, {"eval_loss": float(logs["eval_loss"])})
-            if "loss" not in logs:
-                return
-            now, tokens = time.perf_counter(), state.num_input_tokens_seen
-            metrics = {SFT_LOSS: logs["loss"], "learning_rate": logs.get("learning_rate", 0.0),
-                       "grad_norm": logs.get("grad_norm", 0.0),
-                       "token_accuracy": logs.get("mean_token_accuracy", 0.0),
-                       "tokens_per_s": (tokens - self.last[1]) / max(now - self.last[0], 1e-9)}
-            self.last = (now, tokens)
-            on_log(state.global_step, {k: float(v) for k, v in metrics.items()})
-
-    trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(examples.train),
-                         eval_dataset=datasets.Dataset.from_list(examples.heldout) if heldout else None,
-                         processing_class=tokenizer, callbacks=[Forward()], peft_config=_peft_config(cfg))
-    trainer.tokens_at_start = 0
-    trainer.remove_callback(PrinterCallback)  # it prints every log dict; on_log is the one outlet
-    return trainer, resume, examples.counts
 
 
 def sft_device(device: str) -> str:

@@ -8,13 +8,14 @@ whenever: `max_staleness: 0` is the synchronous baseline on the same code (an ac
 version s is published, so it waits while the learner steps), and an asynchronous run is as reproducible as a
 synchronous one. `actors: 0` generates in the learner's own process, taking turns with learning: the same
 rollouts and weights as actor processes, without the overlap (the reference the tests compare against).
+Both are a source in flywheel.train.rl.generation; here: resume, the step loop, checkpoints, metrics, timing.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,13 +24,11 @@ import torch
 from flywheel.config import RLConfig
 from flywheel.envs.base import Environment, Task
 from flywheel.metrics import RL_LAST_REWARD, RL_REWARD
-from flywheel.train.rl.actor import ActorPool, rollout
 from flywheel.train.rl.batch import Group, advantages_of, collate, samples_of
-from flywheel.train.rl.buffer import RolloutBuffer
 from flywheel.train.rl.checkpoints import Checkpoints, fingerprint
+from flywheel.train.rl.generation import Actors, InProcess, Snapshots
 from flywheel.train.rl.learner import learn_on_batch
 from flywheel.train.rl.source import task_stream, work_items
-from flywheel.train.rl.weights import WeightBoard
 
 __all__ = ["task_stream", "train_rl"]
 
@@ -47,6 +46,59 @@ def _rows(step: int, version: int, groups: list[Group], advantages: dict[int, li
     return rows
 
 
+@dataclass
+class _Start:
+    """What the run starts from: the base checkpoint at step 0, or the last checkpoint of a killed run."""
+
+    first: int  # the step to do next
+    model: torch.nn.Module
+    tokenizer: object
+    reference: torch.nn.Module | None  # the starting checkpoint, for the KL penalty (kl_beta > 0)
+    optimizer: torch.optim.Optimizer
+    shuffle: torch.Generator  # the learner's minibatch order
+    rows: list[dict] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)
+    behaviour: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # versions kept for generation
+
+
+def _start(model_dir: Path, cfg: RLConfig, checkpoints: Checkpoints, device: str) -> _Start:
+    """The learner's state: fresh from model_dir, or resumed from the newest checkpoint when there is one."""
+    from flywheel.train.checkpoint import load_student
+
+    resumed = checkpoints.latest()
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_student(resumed.model_dir if resumed else model_dir)
+    model.to(device)
+    reference = load_student(model_dir)[0].to(device) if cfg.kl_beta > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    shuffle = torch.Generator().manual_seed(cfg.seed)
+    if not resumed:
+        return _Start(0, model, tokenizer, reference, optimizer, shuffle)
+    optimizer.load_state_dict(resumed.optimizer)
+    shuffle.set_state(resumed.shuffle)
+    return _Start(resumed.step, model, tokenizer, reference, optimizer, shuffle, resumed.rows, resumed.history,
+                  resumed.behaviour)
+
+
+@dataclass
+class _Timing:
+    """Where the run's time went: the learner waiting for groups or learning, the actors generating or idle."""
+
+    started: float = field(default_factory=time.perf_counter)
+    steps_started: float = 0.0  # once the actors are started: the steps alone
+    wait_s: float = 0.0
+    learn_s: float = 0.0
+    generate_s: float = 0.0
+    actor_idle_s: float = 0.0
+
+    def add(self, groups: list[Group], wait_s: float, learn_s: float) -> None:
+        """Count one step: the learner's wait and learning, the generating and idling behind its groups."""
+        self.wait_s += wait_s
+        self.learn_s += learn_s
+        self.generate_s += sum(g.generate_s for g in groups)
+        self.actor_idle_s += sum(g.idle_s for g in groups)
+
+
 def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig, out_dir: Path,
              max_turns: int, on_step: Callable[[int, dict], None] | None = None,
              checkpoint_dir: Path | None = None, device: str = "auto") -> tuple[list[dict], dict]:
@@ -56,109 +108,60 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     device: the learner's (student.device; auto: CUDA when present); each actor's is cfg.actor_devices[i] or it.
     """
     from flywheel.devices import resolve_device
-    from flywheel.policies.hf import HFPolicy
-    from flywheel.train.checkpoint import load_student, save_student
+    from flywheel.train.checkpoint import save_student
 
     learner_device = resolve_device(device, "student.device (the RL learner)")
-    started = time.perf_counter()
+    timing = _Timing()
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.learner_threads)
     checkpoints = Checkpoints(checkpoint_dir or Path(out_dir).parent / "rl-checkpoints",
                               fingerprint(Path(model_dir), tasks, cfg, env.name, max_turns))
-    resumed = checkpoints.latest()
-    first = resumed.step if resumed else 0
-    torch.manual_seed(cfg.seed)
-    model, tokenizer = load_student(resumed.model_dir if resumed else model_dir)
-    model.to(learner_device)
-    reference = load_student(model_dir)[0].to(learner_device) if cfg.kl_beta > 0 else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    shuffle = torch.Generator().manual_seed(cfg.seed)
-    rows, history = [], []
-    if resumed:
-        optimizer.load_state_dict(resumed.optimizer)
-        shuffle.set_state(resumed.shuffle)
-        rows, history = resumed.rows, resumed.history
+    run = _start(model_dir, cfg, checkpoints, learner_device)
+    model, tokenizer, rows, history = run.model, run.tokenizer, run.rows, run.history
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    work = work_items(tasks, cfg.tasks_per_step, cfg.seed, first, cfg.steps)
-    # The versions later steps are generated with: the last max_staleness + 1 (none kept when it is 0: the live
-    # model is the behaviour policy). A resumed run gets back the ones its checkpoint kept.
-    recent = ({**(resumed.behaviour if resumed else {}), first: _snapshot(model)} if cfg.max_staleness else {})
+    work = work_items(tasks, cfg.tasks_per_step, cfg.seed, run.first, cfg.steps)
+    snapshots = Snapshots(cfg.max_staleness, model, run.first, run.behaviour)
+    source = (Actors(model_dir, env, model, cfg, max_turns, snapshots, run.first, work, device) if cfg.actors
+              else InProcess(env, model, tokenizer, cfg, max_turns, snapshots, run.first))
 
-    pool = None
-    if cfg.actors:
-        ctx = torch.multiprocessing.get_context("spawn")  # fork with torch threads running is unsafe
-        board = WeightBoard(model.state_dict(), ctx, slots=cfg.max_staleness + 1)
-        for held in sorted(recent):
-            board.publish(recent[held], held)
-        board.publish(model.state_dict(), first)
-        # Room for every group the staleness bound lets the actors make ahead of the learner.
-        size = (cfg.max_staleness + 1) * cfg.tasks_per_step * cfg.actors
-        pool = ActorPool(cfg.actors, Path(model_dir), env, cfg, max_turns, board, ctx, size, device)
-        pool.start(work)
-        buffer = RolloutBuffer(pool.buffer, cfg.max_staleness, pool.check)
-    else:  # with max_staleness > 0 an older version generates: a second copy of the model holds it
-        policy = HFPolicy(copy.deepcopy(model) if cfg.max_staleness else model, tokenizer)
-        policy_version = first
-
-    totals = {"wait_s": 0.0, "learn_s": 0.0, "generate_s": 0.0, "actor_idle_s": 0.0}
-    steps_started = time.perf_counter()
+    timing.steps_started = time.perf_counter()
     learn_s = 0.0
     try:
         for item in work:
             step = version = item.step  # the learner's weights at this step are version `step`
-            t0 = time.perf_counter()
-            if pool:
-                groups, stale, wait_s = buffer.take(step, cfg.tasks_per_step, version)
-            else:
-                need = max(step - cfg.max_staleness, 0)
-                if cfg.max_staleness and need != policy_version:  # at 0 the live model generates
-                    policy.load_weights(recent[need])
-                    policy_version = need
-                groups = rollout(env, policy, tokenizer, item, cfg, max_turns, need)
-                stale, wait_s = [], time.perf_counter() - t0
-                for group in groups:  # the learner is its own actor: it generates, then waits while it learns
-                    group.actor, group.generate_s = -1, wait_s / len(groups)
-                    group.idle_s = learn_s / len(groups)
-            t1 = time.perf_counter()
-
-            advantages = {g.index: advantages_of(g, cfg.loss_type) for g in groups}
-            samples = [s for g in groups if advantages[g.index] is not None
-                       for s in samples_of(g, advantages[g.index])]
-            stats = (learn_on_batch(model, optimizer, collate(samples, pad_id), cfg, shuffle, reference)
-                     if samples else {})
-            if recent:
-                recent[version + 1] = _snapshot(model)
-                for old in [v for v in recent if v < version + 1 - cfg.max_staleness]:
-                    del recent[old]
-            if pool:
-                board.publish(model.state_dict(), version + 1)
+            groups, stale, wait_s = source.take(item, learn_s)
+            learning = time.perf_counter()
+            advantages, stats = _learn(model, run, groups, cfg, pad_id)
+            snapshots.add(model, version + 1)
+            source.publish(model, version + 1)
             everything = sorted(groups + stale, key=lambda g: g.index)
             rows.extend(_rows(step, version, everything, advantages, {g.index for g in stale}))
-            learn_s = time.perf_counter() - t1
+            learn_s = time.perf_counter() - learning
             metrics = _metrics(groups, stale, stats, cfg, wait_s, learn_s, version + 1)
             history.append(metrics)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                checkpoints.save(step + 1, model, tokenizer, optimizer, shuffle, rows, history,
-                                 {v: w for v, w in recent.items() if v <= step})
-            totals["wait_s"] += wait_s
-            totals["learn_s"] += learn_s
-            totals["generate_s"] += sum(g.generate_s for g in groups + stale)
-            totals["actor_idle_s"] += sum(g.idle_s for g in groups + stale)
+                checkpoints.save(step + 1, model, tokenizer, run.optimizer, run.shuffle, rows, history,
+                                 snapshots.up_to(step))
+            timing.add(groups + stale, wait_s, learn_s)
             if on_step:
                 on_step(step, metrics)
     finally:
-        if pool:
-            pool.close()
+        source.close()
         torch.set_num_threads(threads)
 
     save_student(model, tokenizer, out_dir)
     checkpoints.remove()
-    return rows, _summary(cfg, rows, history, totals, started, steps_started, first)
+    return rows, _summary(cfg, rows, history, timing, run.first)
 
 
-def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    # kept on the CPU: a GPU holds the live model, not max_staleness + 1 copies of it
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+def _learn(model: torch.nn.Module, run: _Start, groups: list[Group], cfg: RLConfig,
+           pad_id: int) -> tuple[dict[int, list[float] | None], dict]:
+    """One learner step on the groups: (advantages by group, None for a group without signal; loss stats)."""
+    advantages = {g.index: advantages_of(g, cfg.loss_type) for g in groups}
+    samples = [s for g in groups if advantages[g.index] is not None for s in samples_of(g, advantages[g.index])]
+    stats = (learn_on_batch(model, run.optimizer, collate(samples, pad_id), cfg, run.shuffle, run.reference)
+             if samples else {})
+    return advantages, stats
 
 
 def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig, wait_s: float,
@@ -191,15 +194,14 @@ def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig
     return metrics
 
 
-def _summary(cfg: RLConfig, rows: list[dict], history: list[dict], totals: dict, started: float,
-             steps_started: float, first: int) -> dict:
+def _summary(cfg: RLConfig, rows: list[dict], history: list[dict], timing: _Timing, first: int) -> dict:
     now = time.perf_counter()
     summary = {"steps": cfg.steps, "policy_version": cfg.steps, "episodes": len(rows),
-               "resumed_from_step": first, "wall_time_s": now - started, "steps_wall_s": now - steps_started,
-               "generate_s": totals["generate_s"], "learn_s": totals["learn_s"], "wait_s": totals["wait_s"],
-               "learner_idle_fraction": totals["wait_s"] / max(totals["wait_s"] + totals["learn_s"], 1e-9),
-               "actor_idle_fraction": totals["actor_idle_s"] / max(totals["actor_idle_s"] + totals["generate_s"],
-                                                                   1e-9)}
+               "resumed_from_step": first, "wall_time_s": now - timing.started,
+               "steps_wall_s": now - timing.steps_started,
+               "generate_s": timing.generate_s, "learn_s": timing.learn_s, "wait_s": timing.wait_s,
+               "learner_idle_fraction": timing.wait_s / max(timing.wait_s + timing.learn_s, 1e-9),
+               "actor_idle_fraction": timing.actor_idle_s / max(timing.actor_idle_s + timing.generate_s, 1e-9)}
     if history:
         summary |= {"reward_mean_first": history[0][RL_REWARD], RL_LAST_REWARD: history[-1][RL_REWARD],
                     "pass_rate_mean": float(np.mean([m["pass_rate"] for m in history])),
