@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +100,93 @@ def test_an_escaped_secret_in_the_json_text_is_still_found(tmp_path):
     cfg = CollectConfig(sources=["t.jsonl"])
     [trace] = collect(readers(cfg, tmp_path), cfg, Redactor(cfg.redact)).traces
     assert json.loads(trace["messages"])[0]["content"] == "mail <EMAIL>"
+
+
+def test_a_time_that_is_no_time_is_not_written_as_one(tmp_path):
+    good = {"messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]}
+    records = [good | {"timestamp": "2026-11-01T08:04:16+01:00"},
+               json.loads(json.dumps(good).replace("2+3", "2+4")) | {"timestamp": "sent by jane@example.com"}]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = CollectConfig(sources=["t.jsonl"])
+    found = collect(readers(cfg, tmp_path), cfg, Redactor(cfg.redact))
+    times = {json.loads(t["messages"])[0]["content"]: (t["collected_at"], json.loads(t["metadata"]))
+             for t in found.traces}
+    # the record's own field stays in the metadata, redacted like every other value there
+    assert times["2+3?"] == ("2026-11-01T07:04:16Z", {"timestamp": "2026-11-01T08:04:16+01:00"})
+    assert times["2+4?"] == ("", {"timestamp": "sent by <EMAIL>"})
+
+
+def test_file_names_and_object_keys_are_redacted_in_locations(tmp_path, s3_bucket):
+    client, bucket = s3_bucket
+    good = {"messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]}
+    (tmp_path / "exports").mkdir()
+    (tmp_path / "exports/jane.doe@example.com.jsonl").write_text(json.dumps(good) + "\n{broken\n")
+    client.put_object(Bucket=bucket, Key="users/10.1.2.3/+1 415-555-0123.jsonl",
+                      Body=(json.dumps(good).replace("2+3", "2+5") + "\n{broken\n").encode())
+    cfg = CollectConfig(sources=["exports/*.jsonl", {"s3": f"s3://{bucket}/users/"}])
+    found = collect(readers(cfg, tmp_path), cfg, Redactor(cfg.redact))
+    locations = sorted(row["location"] for row in found.traces + found.quarantine)
+    # the address pattern takes ".jsonl" as part of the domain: the whole name goes
+    assert locations == ["exports/<EMAIL>:1", "exports/<EMAIL>:2",
+                         f"s3://{bucket}/users/<IP_ADDRESS>/<PHONE>.jsonl:1",
+                         f"s3://{bucket}/users/<IP_ADDRESS>/<PHONE>.jsonl:2"]
+
+
+def _every_cell(path) -> str:
+    """Every value of a Parquet file as text (the file itself is compressed: its bytes would hide a leak)."""
+    import pyarrow.parquet as pq
+
+    return json.dumps(pq.read_table(path).to_pylist(), default=str)
+
+
+def _mlflow_text(run_id: str, folder) -> str:
+    """Everything MLflow keeps for a run: params, tags, metric names, dataset inputs, every artifact's text."""
+    import mlflow.artifacts
+    from mlflow import MlflowClient
+
+    run = MlflowClient().get_run(run_id)
+    datasets = [(d.dataset.name, d.dataset.source, d.dataset.profile, d.dataset.schema)
+                for d in run.inputs.dataset_inputs]
+    text = json.dumps([run.data.params, run.data.tags, list(run.data.metrics), datasets])
+    local = mlflow.artifacts.download_artifacts(run_id=run_id, dst_path=str(folder))
+    for path in sorted(p for p in Path(local).rglob("*") if p.is_file()):
+        text += _every_cell(path) if path.suffix == ".parquet" else path.read_text(errors="replace")
+    return text
+
+
+def test_the_collect_stage_writes_no_secret_to_its_tables_or_mlflow(tmp_path, mlflow_store):
+    """Read back what the stage wrote (both Parquet tables, the MLflow run), not what collect() returned."""
+    from flywheel.data.catalog import Catalog
+    from tasks.collect import collect as stage
+
+    root = tmp_path / "project"
+    (root / "logs").mkdir(parents=True)
+    secrets = {"jane.doe@example.com", "4111 1111 1111 1111", "+1 415-555-0123", "10.1.2.3", GITHUB,
+               "sk-abcdefghijklmnopqrstuvwx", "mary@example.org"}
+    record = {"id": "jane.doe@example.com", "timestamp": "from mary@example.org",
+              "messages": [{"role": "user", "content": "I'm jane.doe@example.com, card 4111 1111 1111 1111"},
+                           {"role": "assistant", "content": None, "tool_calls": [
+                               {"id": "c1", "type": "function",
+                                "function": {"name": "lookup", "arguments": '{"phone": "+1 415-555-0123"}'}}]},
+                           {"role": "tool", "tool_call_id": "c1", "content": f"on 10.1.2.3 with {GITHUB}"},
+                           {"role": "assistant", "content": "Done."}],
+              "user": {"api_key": "sk-abcdefghijklmnopqrstuvwx"}}
+    broken = json.dumps(record)[:-5]
+    (root / "logs/jane.doe@example.com.jsonl").write_text(json.dumps(record) + "\n" + broken + "\n")
+    (root / "pipelines.yaml").write_text(
+        "pipelines:\n  p:\n    environment: {name: calculator, train_tasks: 10, heldout_tasks: 4}\n"
+        "    collect: {sources: ['logs/*.jsonl'], max_bad_fraction: 1.0}\n"
+        + "".join(f"    {section}: {{}}\n" for section in ("student", "teacher", "synthesize", "sft", "rl",
+                                                             "evaluate", "gate")))
+    result = stage.fn(pipeline="p", root=str(root))
+
+    catalog = Catalog(root, "p")
+    traces, quarantine = catalog.table_path("traces"), catalog.table_path("quarantine")
+    assert len(catalog.read("traces")) == 1 and len(catalog.read("quarantine")) == 1  # something was written
+    written = {"traces": _every_cell(traces), "quarantine": _every_cell(quarantine),
+               "mlflow": _mlflow_text(result["run_id"], tmp_path / "artifacts")}
+    for where, text in written.items():
+        for secret in secrets:
+            assert secret not in text and secret.replace(" ", "") not in text, (where, secret)
+    assert "<EMAIL>" in written["traces"] and "<EMAIL>" in written["quarantine"]
+    assert result["metrics"]["redacted_email"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from flywheel.envs.base import prompt_hash, split_of
 ROLES = {"system", "user", "assistant", "tool"}
 _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 QUARANTINE_RAW_CHARS = 10_000
+# what shapes.timestamp() makes of a time it could read; anything else is the record's own text
+_ISO_UTC = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{3})?Z")
 
 __all__ = ["BadRecord", "Collected", "Reader", "collect", "normalise_messages", "to_trace"]
 
@@ -150,7 +153,9 @@ def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConf
     scrub = redactor.value if raw is None or redactor.needed(raw) else _same
     messages = scrub(normalise_messages(parts.messages))
     tools = scrub(_list(parts.tools, "tools"))
-    metadata = scrub(parts.metadata)
+    metadata = scrub(parts.metadata)  # keeps the record's time field as it was, redacted like the rest
+    # collected_at holds a time or nothing: text that is no time may be anything (a name, an address)
+    collected_at = parts.time if _ISO_UTC.fullmatch(parts.time) else ""
     messages_text = json.dumps(messages, ensure_ascii=False)
     tools_text = json.dumps(tools, ensure_ascii=False)
     metadata_text = json.dumps(metadata, sort_keys=True, ensure_ascii=False, default=str)
@@ -165,7 +170,7 @@ def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConf
         "source": source.label,
         "location": location,
         # the record's own time; never the clock, so a rerun writes the same bytes
-        "collected_at": parts.time,
+        "collected_at": collected_at,
         "messages": messages_text,
         "tools": tools_text,
         "outcome": parts.outcome,
@@ -177,6 +182,19 @@ def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConf
 
 def _same(value):
     return value
+
+
+def redact_location(location: str, redactor: Redactor) -> str:
+    """`file:line`, `s3://bucket/key:line`, `mlflow:...` with personal data in the name replaced.
+
+    File names and object keys are often made of user ids and addresses (`exports/jane@example.com.jsonl`).
+    The name is redacted apart from its line number, so a file's many records cost one search (the redactor
+    remembers strings it has seen) and the line stays readable.
+    """
+    head, sep, tail = location.rpartition(":")
+    if sep and tail.isdigit():
+        return f"{redactor.text(head)}:{tail}"
+    return redactor.text(location)
 
 
 def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
@@ -193,6 +211,7 @@ def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
         label = reader.source.label
         for location, raw, record in reader.read(None if since is None else since.get(label)):
             found.records[label] += 1
+            location = redact_location(location, redactor)
             try:
                 if isinstance(record, BadRecord):
                     raise record
