@@ -25,6 +25,9 @@ _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system ro
 QUARANTINE_RAW_CHARS = 10_000
 # what shapes.timestamp() makes of a time it could read; anything else is the record's own text
 _ISO_UTC = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{3})?Z")
+# json.dumps(value, ensure_ascii=False, ...) builds an encoder per call; these are the same encoders, built once
+_JSON_TEXT = json.JSONEncoder(ensure_ascii=False).encode
+_JSON_SORTED = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str).encode
 
 __all__ = ["BadRecord", "Collected", "Reader", "collect", "normalise_messages", "to_trace"]
 
@@ -156,9 +159,9 @@ def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConf
     metadata = scrub(parts.metadata)  # keeps the record's time field as it was, redacted like the rest
     # collected_at holds a time or nothing: text that is no time may be anything (a name, an address)
     collected_at = parts.time if _ISO_UTC.fullmatch(parts.time) else ""
-    messages_text = json.dumps(messages, ensure_ascii=False)
-    tools_text = json.dumps(tools, ensure_ascii=False)
-    metadata_text = json.dumps(metadata, sort_keys=True, ensure_ascii=False, default=str)
+    messages_text = _JSON_TEXT(messages)
+    tools_text = _JSON_TEXT(tools)
+    metadata_text = _JSON_SORTED(metadata)
     size = len(messages_text) + len(tools_text) + len(metadata_text)
     if size > cfg.max_record_bytes:
         raise BadRecord("oversize", f"record is {size} characters, over max_record_bytes {cfg.max_record_bytes}")
