@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
 from prefect import task
 
 from flywheel.config import load_pipeline
-from flywheel.data import watermarks
+from flywheel.data import tasksets, tracetable, watermarks
 from flywheel.data.catalog import Catalog
 from flywheel.data.lineage import dvc_md5, log_dataset
 from flywheel.data.redaction import Redactor
-from flywheel.data.schemas import Quarantine, Traces
+from flywheel.data.schemas import Quarantine
 from flywheel.data.sources import FileReader, SourceError, readers, remote_fingerprint
 from flywheel.data.tasksets import build_tasks
 from flywheel.data.traces import collect as collect_traces
@@ -51,7 +52,7 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
     cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
     catalog = Catalog(root_path, pipeline)
     env = get_environment(cfg.environment.name)
-    tables = {name: catalog.table_path(name) for name in ("traces", "quarantine")}
+    tables = {name: catalog.table_path(name) for name in ("traces", "quarantine", "tasks")}
     with stage_run(root_path, pipeline, "collect", parent_run_id, cfg.model_dump(include={"collect"})) as run:
         sources = readers(cfg.collect, root_path)
         for reader in sources:
@@ -59,37 +60,51 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
                 raise FileNotFoundError(f"pipelines.{pipeline}.collect.sources: '{reader.source.label}' matches no "
                                         f"file ({reader.source.path} under {root_path})")
         since = None if full else watermarks.load(root_path, pipeline, cfg.collect, tables)
-        previous = (table_rows(catalog.read("traces")), table_rows(catalog.read("quarantine"))) \
-            if since is not None else ([], [])
-        found = collect_traces(sources, cfg.collect, Redactor(cfg.collect.redact), previous, since)
+        quarantine = table_rows(catalog.read("quarantine")) if since is not None else []
+        found = collect_traces(sources, cfg.collect, Redactor(cfg.collect.redact), ([], quarantine), since)
 
         read, bad = sum(found.records.values()), sum(found.bad.values())
         bad_fraction = bad / max(read, 1)
-        catalog.write("quarantine", pd.DataFrame(found.quarantine, columns=list(Quarantine.to_schema().columns)))
-        if bad_fraction > cfg.collect.max_bad_fraction:
-            raise TooManyBadRecords(
-                f"{bad} of {read} records read ({bad_fraction:.0%}) are malformed, over max_bad_fraction "
-                f"{cfg.collect.max_bad_fraction:.0%}; most common: {found.reasons.most_common(3)}; "
-                f"see {catalog.table_path('quarantine')}")
-        traces = pd.DataFrame(found.traces, columns=list(Traces.to_schema().columns))
-        catalog.write("traces", traces)
-        tasks = build_tasks(env, cfg.environment, cfg.collect.heldout_fraction, found.traces)
-        catalog.write("tasks", pd.DataFrame(tasks))
-        watermarks.save(root_path, pipeline, cfg.collect, tables, found.states)
+        tasks_recipe = tasksets.recipe(env, cfg.environment, cfg.collect.heldout_fraction)
+        same_tasks = since is not None and watermarks.saved_tasks_recipe(root_path, pipeline) == tasks_recipe
+        if read or not same_tasks:
+            catalog.write("quarantine", pd.DataFrame(found.quarantine, columns=list(Quarantine.to_schema().columns)))
+            if bad_fraction > cfg.collect.max_bad_fraction:
+                raise TooManyBadRecords(
+                    f"{bad} of {read} records read ({bad_fraction:.0%}) are malformed, over max_bad_fraction "
+                    f"{cfg.collect.max_bad_fraction:.0%}; most common: {found.reasons.most_common(3)}; "
+                    f"see {catalog.table_path('quarantine')}")
+            merged = tracetable.merge(catalog.read_arrow("traces") if since is not None else None, found.traces)
+            catalog.write_arrow("traces", merged.table)
+            if merged.appended and same_tasks:  # the new traces' tasks after the stored ones
+                tasks = build_tasks(env, cfg.environment, cfg.collect.heldout_fraction,
+                                    (row["messages"] for row in merged.fresh), table_rows(catalog.read("tasks")))
+            else:
+                tasks = build_tasks(env, cfg.environment, cfg.collect.heldout_fraction,
+                                    merged.table.column("messages").to_pylist())
+            catalog.write("tasks", pd.DataFrame(tasks))
+            outcomes, new, duplicates = merged.table.column("outcome"), merged.new, merged.duplicates
+        else:  # nothing new: no table is read whole or written, so the bytes on disk stay as they are
+            tasks = catalog.read_arrow("tasks", ["split", "origin"]).to_pylist()
+            outcomes, new, duplicates = catalog.read_arrow("traces", ["outcome"]).column("outcome"), Counter(), 0
+        if found.states != since or not same_tasks:
+            watermarks.save(root_path, pipeline, cfg.collect, tables, found.states, tasks_recipe)
 
         digest = dvc_md5(catalog.stage_dir("collect"))  # what `dvc commit` will record for this output
-        log_dataset(run.run_id, traces, f"{pipeline}-traces", catalog.stage_dir("collect"), digest)
-        metrics = {"records": read, "traces": len(found.traces), "traces_new": sum(found.new.values()),
-                   "quarantined": bad, "quarantine_total": len(found.quarantine), "duplicates": found.duplicates,
+        log_dataset(run.run_id, tracetable.to_arrow([]).to_pandas(), f"{pipeline}-traces",
+                    catalog.stage_dir("collect"), digest, num_rows=len(outcomes))
+        metrics = {"records": read, "traces": len(outcomes), "traces_new": sum(new.values()),
+                   "quarantined": bad, "quarantine_total": len(found.quarantine),
+                   "duplicates": found.duplicates + duplicates,
                    "partial_turns": found.partial, "bad_fraction": bad_fraction,
                    "tasks_train": sum(t["split"] == "train" for t in tasks),
                    "tasks_heldout": sum(t["split"] == "heldout" for t in tasks),
                    "tasks_from_traces": sum(t["origin"] == "trace" for t in tasks)}
-        metrics |= {f"outcome_{k}": int(v) for k, v in traces["outcome"].value_counts().items()}
+        metrics |= {f"outcome_{k}": v for k, v in Counter(outcomes.to_pylist()).items()}
         metrics |= {f"quarantine_{k}": v for k, v in found.reasons.items()}
         metrics |= {f"redacted_{k}": v for k, v in found.redacted.items()}
         for label in (reader.source.label for reader in sources):
-            metrics |= {f"source/{label}/records": found.records[label], f"source/{label}/traces": found.new[label],
+            metrics |= {f"source/{label}/records": found.records[label], f"source/{label}/traces": new[label],
                         f"source/{label}/quarantined": found.bad[label]}
         run.metrics(metrics)
         outputs = output_hashes("collect", pipeline, root_path)

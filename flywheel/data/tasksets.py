@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import orjson
 
 from flywheel.config import EnvironmentConfig
 from flywheel.envs.base import Environment, Task, split_of
@@ -18,10 +23,34 @@ def row_task(row: dict) -> Task:
                 slice=row["slice"], split=row["split"])
 
 
-def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float,
-                traces: list[dict]) -> list[dict]:
-    """Draw generated tasks until both splits are full, then add the traces' verifiable tasks; no duplicates."""
-    rows: dict[str, dict] = {}
+def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, messages: Iterable[str],
+                previous: list[dict] | None = None) -> list[dict]:
+    """Draw generated tasks until both splits are full, then add the traces' verifiable tasks; no duplicates.
+
+    `messages` are the traces' messages (JSON text) in table order. `previous`, the tasks built from the traces
+    before these ones, is extended instead: the same rows a build over all the traces makes.
+    """
+    rows: dict[str, dict] = {row["task_id"]: row for row in previous} if previous is not None else {}
+    if previous is None:
+        _generate(env, cfg, heldout_fraction, rows)
+    for text in messages:
+        task = env.task_from_messages(orjson.loads(text))  # our own JSON: orjson reads it as json would
+        if task is not None and task.task_id not in rows:
+            rows[task.task_id] = task_row(_with_split(task, split_of(task.task_id, heldout_fraction)), "trace")
+    return list(rows.values())
+
+
+def recipe(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float) -> str:
+    """What the tasks table is built from besides the traces: the environment's config and code, hashed."""
+    from flywheel.data.catalog import content_hash
+
+    envs = Path(__file__).resolve().parents[1] / "envs"
+    code = content_hash([envs, Path(__file__).resolve()], envs.parent)
+    config = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(f"{env.name}|{config}|{heldout_fraction}|{code}".encode()).hexdigest()[:16]
+
+
+def _generate(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, rows: dict[str, dict]) -> None:
     wanted = {"train": cfg.train_tasks, "heldout": cfg.heldout_tasks}
     have = {"train": 0, "heldout": 0}
     draws, limit = 0, 50 * (cfg.train_tasks + cfg.heldout_tasks)
@@ -39,11 +68,6 @@ def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: floa
         rows[task.task_id] = task_row(_with_split(task, split), "generated")
         if have == wanted:
             break
-    for trace in traces:
-        task = env.task_from_messages(json.loads(trace["messages"]))
-        if task is not None and task.task_id not in rows:
-            rows[task.task_id] = task_row(_with_split(task, split_of(task.task_id, heldout_fraction)), "trace")
-    return list(rows.values())
 
 
 def _with_split(task: Task, split: str) -> Task:

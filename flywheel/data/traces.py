@@ -230,17 +230,7 @@ def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
     rows, invalid = _schema_check(rows)
     bad += invalid
 
-    best = {row["trace_id"]: row for row in previous[0]}
-    for row in rows:
-        kept = best.get(row["trace_id"])
-        if kept is not None:
-            found.duplicates += 1
-            if _order(row) >= _order(kept):
-                continue
-        best[row["trace_id"]] = row
-    found.traces = sorted(best.values(), key=_order)
-    fresh = {id(row) for row in rows}
-    found.new = Counter(row["source"] for row in found.traces if id(row) in fresh)
+    found.traces, found.duplicates, found.new = keep_earliest(previous[0], rows)
     unique = {tuple(q[k] for k in ("source", "location", "kind", "reason", "raw")): q for q in previous[1] + bad}
     found.quarantine = sorted(unique.values(), key=lambda q: (q["source"], *_place(q["location"]), q["kind"],
                                                               q["reason"], q["raw"]))
@@ -248,6 +238,22 @@ def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
     found.reasons = Counter(q["kind"] for q in bad)
     found.redacted = Counter(redactor.counts)
     return found
+
+
+def keep_earliest(previous: list[dict], rows: list[dict]) -> tuple[list[dict], int, Counter]:
+    """Previous and new rows sorted, each trace_id's earliest kept; (rows, new duplicates, new kept per source)."""
+    best = {row["trace_id"]: row for row in previous}
+    duplicates = 0
+    for row in rows:
+        kept = best.get(row["trace_id"])
+        if kept is not None:
+            duplicates += 1
+            if order(row) >= order(kept):
+                continue
+        best[row["trace_id"]] = row
+    merged = sorted(best.values(), key=order)
+    fresh = {id(row) for row in rows}
+    return merged, duplicates, Counter(row["source"] for row in merged if id(row) in fresh)
 
 
 def _schema_check(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -275,7 +281,8 @@ def _place(location: str) -> tuple[str, int]:
     return (head, int(tail)) if tail.isdigit() else (location, 0)
 
 
-def _order(row: dict) -> tuple:
+def order(row: dict) -> tuple:
+    """The traces table's sort key: the record's time, then where it was read."""
     return (row["collected_at"], row["source"], *_place(row["location"]), row["trace_id"])
 
 
