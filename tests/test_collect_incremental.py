@@ -101,3 +101,29 @@ def test_the_stage_reads_only_new_records_and_stays_reproducible(tmp_path, mlflo
                                                                                               "max_bad"))
     changed = stage.fn(pipeline="small", root=str(tmp_path))
     assert changed["metrics"]["records"] == 155 and changed["outputs"] != full["outputs"]
+
+
+def test_new_traces_are_appended_to_the_stored_table_as_a_full_merge_would_place_them(tmp_path):
+    from flywheel.data import tracetable
+
+    cfg = CollectConfig(sources=["*.jsonl"])
+
+    def timed(n: int) -> str:  # record n at minute n
+        return json.dumps({**json.loads(_record(n)), "timestamp": f"2026-11-01T{n // 60:02d}:{n % 60:02d}:00Z"})
+
+    def run(since=None):
+        return collect([FileReader(cfg.sources[0], tmp_path, cfg.max_record_bytes)], cfg, Redactor(cfg.redact),
+                       ([], []), since)
+
+    _append(tmp_path / "b.jsonl", [timed(n) for n in range(0, 60, 2)])
+    first = run()
+    stored = tracetable.to_arrow(first.traces)
+    # later records, and a retried upload of an early one: appended, the stored copy stays
+    _append(tmp_path / "b.jsonl", [timed(n) for n in (61, 63, 4)])
+    merged = tracetable.merge(stored, run(first.states).traces)
+    assert merged.appended and merged.duplicates == 1 and len(merged.fresh) == 2
+    assert merged.table.to_pylist() == run().traces
+    # a back-filled record that sorts among the stored ones: merged in place, not appended
+    _append(tmp_path / "b.jsonl", [timed(7)])
+    merged = tracetable.merge(stored, run(first.states).traces)
+    assert not merged.appended and merged.table.to_pylist() == run().traces

@@ -45,11 +45,17 @@ def merge(stored: pa.Table | None, rows: list[dict]) -> Merged:
         return Merged(to_arrow(rows), rows, True, 0, Counter(row["source"] for row in rows))
     stored = stored.select(SCHEMA.names).cast(SCHEMA)
     last = order(stored.slice(stored.num_rows - 1).to_pylist()[0])
-    if not rows or order(rows[0]) > last:  # rows are sorted: every one comes after the stored table
-        ids = set(stored.column("trace_id").to_pylist())
-        fresh = [row for row in rows if row["trace_id"] not in ids]  # a later copy of a stored trace: dropped
+    where = {trace_id: i for i, trace_id in enumerate(stored.column("trace_id").to_pylist())}
+    twins = [(row, where[row["trace_id"]]) for row in rows if row["trace_id"] in where]
+    kept = stored.select(["collected_at", "source", "location", "trace_id"]).take(
+        pa.array([i for _, i in twins], pa.int64())).to_pylist()
+    fresh = [row for row in rows if row["trace_id"] not in where]
+    # appended: every new trace comes after the stored table (rows are sorted: the first says), and every
+    # later copy of a stored trace comes after its stored copy, which therefore stays (a retried upload)
+    later = all(order(row) >= order(k) for (row, _), k in zip(twins, kept, strict=True))
+    if later and (not fresh or order(fresh[0]) > last):
         table = pa.concat_tables([stored, to_arrow(fresh)]).combine_chunks()
-        return Merged(table, fresh, True, len(rows) - len(fresh), Counter(row["source"] for row in fresh))
+        return Merged(table, fresh, True, len(twins), Counter(row["source"] for row in fresh))
     # new rows among the stored ones: merge as Python rows (the slow path, for late or back-filled records)
     merged, duplicates, new = keep_earliest(stored.to_pylist(), rows)
     added = {id(row) for row in rows}
