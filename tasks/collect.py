@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -52,14 +53,14 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
     cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
     catalog = Catalog(root_path, pipeline)
     env = get_environment(cfg.environment.name)
-    tables = {name: catalog.table_path(name) for name in ("traces", "quarantine", "tasks")}
+    paths = {name: catalog.table_path(name) for name in ("traces", "quarantine", "tasks")}
     with stage_run(root_path, pipeline, "collect", parent_run_id, cfg.model_dump(include={"collect"})) as run:
         sources = readers(cfg.collect, root_path)
         for reader in sources:
             if isinstance(reader, FileReader) and not reader.files():
                 raise FileNotFoundError(f"pipelines.{pipeline}.collect.sources: '{reader.source.label}' matches no "
                                         f"file ({reader.source.path} under {root_path})")
-        since = None if full else watermarks.load(root_path, pipeline, cfg.collect, tables)
+        since = None if full else watermarks.load(root_path, pipeline, cfg.collect, paths)
         quarantine = table_rows(catalog.read("quarantine")) if since is not None else []
         found = collect_traces(sources, cfg.collect, Redactor(cfg.collect.redact), ([], quarantine), since)
 
@@ -74,37 +75,28 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
                     f"{bad} of {read} records read ({bad_fraction:.0%}) are malformed, over max_bad_fraction "
                     f"{cfg.collect.max_bad_fraction:.0%}; most common: {found.reasons.most_common(3)}; "
                     f"see {catalog.table_path('quarantine')}")
-            merged = tracetable.merge(catalog.read_arrow("traces") if since is not None else None, found.traces)
-            catalog.write_arrow("traces", merged.table)
-            if merged.appended and same_tasks:  # the new traces' tasks after the stored ones
-                tasks = build_tasks(env, cfg.environment, cfg.collect.heldout_fraction,
-                                    (row["messages"] for row in merged.fresh), table_rows(catalog.read("tasks")))
-            else:
-                tasks = build_tasks(env, cfg.environment, cfg.collect.heldout_fraction,
-                                    merged.table.column("messages").to_pylist())
-            catalog.write("tasks", pd.DataFrame(tasks))
-            outcomes, new, duplicates = merged.table.column("outcome"), merged.new, merged.duplicates
+            build = partial(build_tasks, env, cfg.environment, cfg.collect.heldout_fraction)
+            tables = tracetable.write(catalog, found.traces, since is not None, same_tasks, build)
         else:  # nothing new: no table is read whole or written, so the bytes on disk stay as they are
-            tasks = catalog.read_arrow("tasks", ["split", "origin"]).to_pylist()
-            outcomes, new, duplicates = catalog.read_arrow("traces", ["outcome"]).column("outcome"), Counter(), 0
+            tables = tracetable.unchanged(catalog)
         if found.states != since or not same_tasks:
-            watermarks.save(root_path, pipeline, cfg.collect, tables, found.states, tasks_recipe)
+            watermarks.save(root_path, pipeline, cfg.collect, paths, found.states, tasks_recipe)
 
+        outcomes, splits = tables.outcomes, Counter(tables.tasks.column("split").to_pylist())
         digest = dvc_md5(catalog.stage_dir("collect"))  # what `dvc commit` will record for this output
         log_dataset(run.run_id, tracetable.to_arrow([]).to_pandas(), f"{pipeline}-traces",
                     catalog.stage_dir("collect"), digest, num_rows=len(outcomes))
-        metrics = {"records": read, "traces": len(outcomes), "traces_new": sum(new.values()),
+        metrics = {"records": read, "traces": len(outcomes), "traces_new": sum(tables.new.values()),
                    "quarantined": bad, "quarantine_total": len(found.quarantine),
-                   "duplicates": found.duplicates + duplicates,
+                   "duplicates": found.duplicates + tables.duplicates,
                    "partial_turns": found.partial, "bad_fraction": bad_fraction,
-                   "tasks_train": sum(t["split"] == "train" for t in tasks),
-                   "tasks_heldout": sum(t["split"] == "heldout" for t in tasks),
-                   "tasks_from_traces": sum(t["origin"] == "trace" for t in tasks)}
+                   "tasks_train": splits["train"], "tasks_heldout": splits["heldout"],
+                   "tasks_from_traces": Counter(tables.tasks.column("origin").to_pylist())["trace"]}
         metrics |= {f"outcome_{k}": v for k, v in Counter(outcomes.to_pylist()).items()}
         metrics |= {f"quarantine_{k}": v for k, v in found.reasons.items()}
         metrics |= {f"redacted_{k}": v for k, v in found.redacted.items()}
         for label in (reader.source.label for reader in sources):
-            metrics |= {f"source/{label}/records": found.records[label], f"source/{label}/traces": new[label],
+            metrics |= {f"source/{label}/records": found.records[label], f"source/{label}/traces": tables.new[label],
                         f"source/{label}/quarantined": found.bad[label]}
         run.metrics(metrics)
         outputs = output_hashes("collect", pipeline, root_path)

@@ -58,6 +58,10 @@ class Catalog:
         os.replace(tmp, path)  # readers never see half a file
         return path
 
+    def check(self, name: str, frame: pd.DataFrame) -> pd.DataFrame:
+        """Validate rows against a table's contract without writing them (DataError naming the table's file)."""
+        return _validate(TABLES[name][1], frame, self.table_path(name))
+
     def write_arrow(self, name: str, table) -> Path:
         """Write an Arrow table whose rows were checked against the table's contract as they were made.
 

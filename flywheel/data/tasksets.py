@@ -8,9 +8,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import orjson
+import pyarrow as pa
 
 from flywheel.config import EnvironmentConfig
 from flywheel.envs.base import Environment, Task, split_of
+
+SCHEMA = pa.schema([(name, pa.string()) for name in ("task_id", "env", "prompt", "answer", "slice", "split",
+                                                     "origin")])
 
 
 def task_row(task: Task, origin: str) -> dict:
@@ -24,20 +28,27 @@ def row_task(row: dict) -> Task:
 
 
 def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, messages: Iterable[str],
-                previous: list[dict] | None = None) -> list[dict]:
+                known: set[str] | None = None) -> list[dict]:
     """Draw generated tasks until both splits are full, then add the traces' verifiable tasks; no duplicates.
 
-    `messages` are the traces' messages (JSON text) in table order. `previous`, the tasks built from the traces
-    before these ones, is extended instead: the same rows a build over all the traces makes.
+    `messages` are the traces' messages (JSON text) in table order. With `known`, the ids of the tasks built
+    from the traces before these ones, only the tasks new to those are returned: appended to that table, they
+    make the table a build over all the traces makes.
     """
-    rows: dict[str, dict] = {row["task_id"]: row for row in previous} if previous is not None else {}
-    if previous is None:
+    rows: dict[str, dict] = {}
+    if known is None:
         _generate(env, cfg, heldout_fraction, rows)
+    known = known or set()
     for text in messages:
         task = env.task_from_messages(orjson.loads(text))  # our own JSON: orjson reads it as json would
-        if task is not None and task.task_id not in rows:
+        if task is not None and task.task_id not in rows and task.task_id not in known:
             rows[task.task_id] = task_row(_with_split(task, split_of(task.task_id, heldout_fraction)), "trace")
     return list(rows.values())
+
+
+def to_arrow(rows: list[dict]) -> pa.Table:
+    """Task rows as an Arrow table of the Tasks contract's columns (no pandas metadata: appends stay equal)."""
+    return pa.Table.from_pylist(rows, schema=SCHEMA)
 
 
 def recipe(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float) -> str:
