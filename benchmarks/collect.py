@@ -5,17 +5,22 @@
 Writes N production-like records (tool-using calculator conversations in OpenAI chat format, ~5% carrying an
 email, phone number or API key, ~2% duplicates, ~0.5% malformed) as JSON Lines in a temporary project, then
 times `json.loads` over every line, the collect stage in full (read, check, normalise, redact, de-duplicate,
-split, pandera, Parquet, the tasks table, MLflow), and an incremental rerun with nothing new. The last line is
-one JSON object with both rates and their ratio. `--quick` runs the same on 2,000 records, in seconds.
+split, pandera, Parquet, the tasks table, MLflow), an incremental rerun with nothing new (the tables must keep
+their bytes), one with 1% more records appended to the last file, and a full re-collect of the same records
+(it must write the same bytes). The last line is one JSON object: both rates and their ratio, the process's
+peak RSS after the full stage, the incremental runs' seconds, the machine's load average. `--quick` runs the
+same on 2,000 records, in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
 import random
+import resource
 import tempfile
 import time
 from datetime import datetime, timedelta
@@ -40,8 +45,8 @@ conversation = _example_conversations()
 PII = ["My email is {}@example.com.", "Call me on +1 415-555-{:04d}.", "key sk-proj-{}abcdefghijklmnopqrstu"]
 
 
-def write_records(path: Path, n: int, seed: int = 0) -> None:
-    """n JSON lines, chunked into one file per 50k records (a day of logs)."""
+def make_records(n: int, seed: int = 0) -> list[str]:
+    """n JSON lines in time order."""
     rng = random.Random(seed)
     env = CalculatorEnv()
     tools = env.tools()
@@ -63,8 +68,18 @@ def write_records(path: Path, n: int, seed: int = 0) -> None:
                   "tools": tools, "outcome": outcome, "score": 1.0 if outcome == "accepted" else 0.0}
         text = json.dumps(record)
         lines.append(text[: len(text) // 2] if rng.random() < 0.005 else text)
-    for part in range(0, n, 50_000):
+    return lines
+
+
+def write_records(path: Path, lines: list[str]) -> None:
+    """The lines, chunked into one file per 50k records (a day of logs)."""
+    for part in range(0, len(lines), 50_000):
         (path / f"agent-{part // 50_000:03d}.jsonl").write_text("\n".join(lines[part:part + 50_000]) + "\n")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main() -> None:
@@ -86,7 +101,10 @@ def main() -> None:
     (root / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {args.pipeline: pipeline}}))
     (root / "logs").mkdir()
     started = time.perf_counter()
-    write_records(root / "logs", args.records)
+    lines = make_records(args.records + args.records // 100)
+    lines, later = lines[: args.records], lines[args.records:]  # 1% more, appended after the first runs
+    write_records(root / "logs", lines)
+    del lines
     size = sum(p.stat().st_size for p in (root / "logs").iterdir())
     print(f"wrote {args.records} records ({size / 1e6:.0f} MB) in {time.perf_counter() - started:.1f}s", flush=True)
 
@@ -112,16 +130,41 @@ def main() -> None:
     print(f"collect stage: {stage_s:.2f}s: {m['traces']} traces, {m['quarantined']} quarantined, "
           f"{m['duplicates']} duplicates, redacted {({k: v for k, v in m.items() if k.startswith('redacted_')})}",
           flush=True)
+    peak_mb = peak_rss_mb()  # the generated records, json.loads and the full stage
     started = time.perf_counter()
+    before = _outputs(root)
     collect.fn(pipeline=args.pipeline, root=str(root))
     rerun_s = time.perf_counter() - started
-    print(f"incremental rerun with nothing new: {rerun_s:.2f}s", flush=True)
+    unchanged = _outputs(root) == before
+    print(f"incremental rerun with nothing new: {rerun_s:.2f}s, tables unchanged: {unchanged}", flush=True)
+
+    last = max((root / "logs").iterdir())
+    with last.open("a") as handle:
+        handle.write("\n".join(later) + "\n")
+    started = time.perf_counter()
+    grown = collect.fn(pipeline=args.pipeline, root=str(root))
+    grown_s = time.perf_counter() - started
+    print(f"incremental run with {len(later)} new records (1%): {grown_s:.2f}s, "
+          f"{grown['metrics']['traces_new']} new traces", flush=True)
+    incremental = _outputs(root)
+    full = collect.fn(pipeline=args.pipeline, root=str(root), full=True)
+    identical = _outputs(root) == incremental and full["metrics"]["traces"] == grown["metrics"]["traces"]
+    print(f"full re-collect of the same records writes the same bytes: {identical}", flush=True)
     print(json.dumps({"benchmark": "collect", "records": args.records, "megabytes": round(size / 1e6, 1),
                       "json_loads_records_per_s": round(args.records / bare_s),
                       "collect_stage_records_per_s": round(args.records / stage_s),
                       "collect_stage_s": round(stage_s, 1),
                       "ratio_json_loads_to_stage": round(stage_s / bare_s, 1),
-                      "incremental_rerun_s": round(rerun_s, 2)}))
+                      "peak_rss_mb": round(peak_mb),
+                      "incremental_no_new_s": round(rerun_s, 2), "incremental_no_new_unchanged": unchanged,
+                      "incremental_1pct_new_s": round(grown_s, 2), "incremental_1pct_identical_to_full": identical,
+                      "load_average": round(os.getloadavg()[0], 1)}))
+
+
+def _outputs(root: Path) -> dict[str, str]:
+    """md5 of each file of the collect stage's output folder."""
+    folder = next((root / "data").iterdir()) / "collect"
+    return {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
 if __name__ == "__main__":

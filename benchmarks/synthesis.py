@@ -7,13 +7,16 @@ Starts the tests' OpenAI-compatible server (the calculator oracle, tests/openai_
 with a fixed latency per request, then runs synthesis episodes (two requests each: the tool call, the answer)
 through the openai policy and the one harness, without a cache, first with `teacher.concurrency` requests in
 flight, then one at a time. The ideal ratio is the concurrency: every request waits the same fixed latency.
-The last line is one JSON object. `--quick` runs the same on 16 tasks (4 one at a time), in seconds.
+The last line is one JSON object (with the fraction of the ideal ratio reached, the
+client's peak RSS and the machine's load average). `--quick` runs the same on 16 tasks (4 one at a time), in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import subprocess
 import sys
 import time
@@ -78,7 +81,10 @@ def main() -> None:
     print(json.dumps({"benchmark": "synthesis", "latency_s": args.latency, "concurrency": concurrency,
                       "samples_per_s_concurrent": round(concurrent, 2),
                       "samples_per_s_sequential": round(sequential, 2),
-                      "ratio": round(concurrent / sequential, 2), "ideal_ratio": float(concurrency)}))
+                      "ratio": round(concurrent / sequential, 2), "ideal_ratio": float(concurrency),
+                      "fraction_of_ideal": round(concurrent / sequential / concurrency, 2),
+                      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                      "load_average": round(os.getloadavg()[0], 1)}))
 
 
 if __name__ == "__main__":

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
 
 from flywheel.config import PipelineConfig
-from flywheel.data import watermarks
+from flywheel.data import tasksets, tracetable, watermarks
 from flywheel.data.lineage import dvc_md5, log_dataset
 from flywheel.data.redaction import Redactor
-from flywheel.data.schemas import Quarantine, Traces
+from flywheel.data.schemas import Quarantine
 from flywheel.data.shapes import SourceError
 from flywheel.data.sources import FileReader, readers, remote_fingerprint
 from flywheel.data.tasksets import build_tasks
@@ -46,45 +48,50 @@ def cache_key(context, parameters: dict) -> str | None:
 def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, full: bool = False) -> StageResult:
     """Read what is new in the trace sources into the traces table (bad records quarantined); build the tasks."""
     with stage_context("collect", pipeline, root, parent_run_id, params=("collect",)) as stage:
-        cfg, catalog, root_path = stage.cfg, stage.catalog, stage.root
-        tables = {name: catalog.table_path(name) for name in ("traces", "quarantine")}
+        cfg, catalog, root_path, env, run = stage.cfg, stage.catalog, stage.root, stage.env, stage.run
+        paths = {name: catalog.table_path(name) for name in ("traces", "quarantine", "tasks")}
         sources = readers(cfg.collect, root_path)
         for reader in sources:
             if isinstance(reader, FileReader) and not reader.files():
                 raise FileNotFoundError(f"pipelines.{pipeline}.collect.sources: '{reader.source.label}' matches no "
                                         f"file ({reader.source.path} under {root_path})")
-        since = None if full else watermarks.load(root_path, pipeline, cfg.collect, tables)
-        previous = (table_rows(catalog.read("traces")), table_rows(catalog.read("quarantine"))) \
-            if since is not None else ([], [])
-        found = collect_traces(sources, cfg.collect, Redactor(cfg.collect.redact), previous, since)
+        since = None if full else watermarks.load(root_path, pipeline, cfg.collect, paths)
+        quarantine = table_rows(catalog.read("quarantine")) if since is not None else []
+        found = collect_traces(sources, cfg.collect, Redactor(cfg.collect.redact), ([], quarantine), since)
 
         read, bad = sum(found.records.values()), sum(found.bad.values())
         bad_fraction = bad / max(read, 1)
-        catalog.write("quarantine", pd.DataFrame(found.quarantine, columns=list(Quarantine.to_schema().columns)))
-        if bad_fraction > cfg.collect.max_bad_fraction:
-            raise TooManyBadRecords(
-                f"{bad} of {read} records read ({bad_fraction:.0%}) are malformed, over max_bad_fraction "
-                f"{cfg.collect.max_bad_fraction:.0%}; most common: {found.reasons.most_common(3)}; "
-                f"see {catalog.table_path('quarantine')}")
-        traces = pd.DataFrame(found.traces, columns=list(Traces.to_schema().columns))
-        catalog.write("traces", traces)
-        tasks = build_tasks(stage.env, cfg.environment, cfg.collect.heldout_fraction, found.traces)
-        catalog.write("tasks", pd.DataFrame(tasks))
-        watermarks.save(root_path, pipeline, cfg.collect, tables, found.states)
+        tasks_recipe = tasksets.recipe(env, cfg.environment, cfg.collect.heldout_fraction)
+        same_tasks = since is not None and watermarks.saved_tasks_recipe(root_path, pipeline) == tasks_recipe
+        if read or not same_tasks:
+            catalog.write("quarantine", pd.DataFrame(found.quarantine, columns=list(Quarantine.to_schema().columns)))
+            if bad_fraction > cfg.collect.max_bad_fraction:
+                raise TooManyBadRecords(
+                    f"{bad} of {read} records read ({bad_fraction:.0%}) are malformed, over max_bad_fraction "
+                    f"{cfg.collect.max_bad_fraction:.0%}; most common: {found.reasons.most_common(3)}; "
+                    f"see {catalog.table_path('quarantine')}")
+            build = partial(build_tasks, env, cfg.environment, cfg.collect.heldout_fraction)
+            tables = tracetable.write(catalog, found.traces, since is not None, same_tasks, build)
+        else:  # nothing new: no table is read whole or written, so the bytes on disk stay as they are
+            tables = tracetable.unchanged(catalog)
+        if found.states != since or not same_tasks:
+            watermarks.save(root_path, pipeline, cfg.collect, paths, found.states, tasks_recipe)
 
+        outcomes, splits = tables.outcomes, Counter(tables.tasks.column("split").to_pylist())
         digest = dvc_md5(catalog.stage_dir("collect"))  # what `dvc commit` will record for this output
-        log_dataset(stage.run.run_id, traces, f"{pipeline}-traces", catalog.stage_dir("collect"), digest)
-        metrics = {"records": read, "traces": len(found.traces), "traces_new": sum(found.new.values()),
-                   "quarantined": bad, "quarantine_total": len(found.quarantine), "duplicates": found.duplicates,
+        log_dataset(run.run_id, tracetable.to_arrow([]).to_pandas(), f"{pipeline}-traces",
+                    catalog.stage_dir("collect"), digest, num_rows=len(outcomes))
+        metrics = {"records": read, "traces": len(outcomes), "traces_new": sum(tables.new.values()),
+                   "quarantined": bad, "quarantine_total": len(found.quarantine),
+                   "duplicates": found.duplicates + tables.duplicates,
                    "partial_turns": found.partial, "bad_fraction": bad_fraction,
-                   "tasks_train": sum(t["split"] == "train" for t in tasks),
-                   "tasks_heldout": sum(t["split"] == "heldout" for t in tasks),
-                   "tasks_from_traces": sum(t["origin"] == "trace" for t in tasks)}
-        metrics |= {f"outcome_{k}": int(v) for k, v in traces["outcome"].value_counts().items()}
+                   "tasks_train": splits["train"], "tasks_heldout": splits["heldout"],
+                   "tasks_from_traces": Counter(tables.tasks.column("origin").to_pylist())["trace"]}
+        metrics |= {f"outcome_{k}": v for k, v in Counter(outcomes.to_pylist()).items()}
         metrics |= {f"quarantine_{k}": v for k, v in found.reasons.items()}
         metrics |= {f"redacted_{k}": v for k, v in found.redacted.items()}
         for label in (reader.source.label for reader in sources):
-            metrics |= {f"source/{label}/records": found.records[label], f"source/{label}/traces": found.new[label],
+            metrics |= {f"source/{label}/records": found.records[label], f"source/{label}/traces": tables.new[label],
                         f"source/{label}/quarantined": found.bad[label]}
         stage.run.metrics(metrics)
         stage.run.tags({"flywheel.out.collect": digest,

@@ -1,6 +1,7 @@
 """A real OpenAI-compatible HTTP server for tests and benchmarks: the calculator oracle behind chat.completions.
 
-FastAPI + uvicorn in a thread on a free port. It answers with `tool_calls` (mode "tools", like vLLM with a
+Starlette + uvicorn in a thread on a free port (not FastAPI: its per-request layer is CPU that the one server
+thread spends while the benchmark's answers wait). It answers with `tool_calls` (mode "tools", like vLLM with a
 tool parser) or with `<tool_call>` text (mode "text", a model served without one), counts every request, and
 injects faults on demand: `inject("429", "500", "hang", "drop", "malformed")` applies one fault to each of the
 next requests; `down_after = N` drops every request after the N-th answer (an endpoint that died); `hang_after
@@ -19,8 +20,10 @@ from collections import Counter, deque
 from typing import Self
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies.toolcalls import render_tool_call
@@ -127,14 +130,10 @@ class OracleServer:
 
     # ---- the endpoint ----------------------------------------------------------------------------------------
 
-    def _app(self) -> FastAPI:
-        app = FastAPI()
+    def _app(self) -> Starlette:
+        async def models(request: Request) -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": "oracle", "object": "model", "owned_by": "tests"}]})
 
-        @app.get("/v1/models")
-        async def models() -> dict:
-            return {"object": "list", "data": [{"id": "oracle", "object": "model", "owned_by": "tests"}]}
-
-        @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
             body = await request.json()
             with self._lock:
@@ -171,7 +170,8 @@ class OracleServer:
                 self.answered[body_hash(body)] += 1
             return JSONResponse(payload)
 
-        return app
+        return Starlette(routes=[Route("/v1/models", models, methods=["GET"]),
+                                 Route("/v1/chat/completions", chat, methods=["POST"])])
 
     def _answer(self, body: dict, number: int, malformed: bool) -> dict:
         message = self.env.solve(body["messages"])

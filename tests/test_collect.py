@@ -222,3 +222,25 @@ def test_catalog_refuses_a_table_that_breaks_its_contract(tmp_path):
     assert not catalog.table_path("eval").exists()
     with pytest.raises(DataError, match="run the stage 'collect' first"):
         catalog.read("traces")
+
+
+def test_the_record_gate_never_skips_what_a_kind_gate_would_search():
+    """Redactor.needed (one record, digit kinds gated per run) says yes wherever any kind's own gate does."""
+    import random
+
+    from flywheel.config import RedactionConfig
+    from flywheel.data.redaction import _GATES
+
+    redactor = Redactor(RedactionConfig())
+    rng = random.Random(1)
+    alphabet = "0123456789 .-()+:abcdefABCDEF@x\"{}[],"
+    pieces = ["+1 415-555-0123", "4111 1111 1111 1111", "192.168.0.1", "fe80::1", "2001:db8:0:0:1:0:0:1",
+              "(415) 555-0123", "+4915112345678", "12.34.56.78", "a:b:c:d", "1-2-3-4-5-6-7-8-9-0-1-2-3"]
+    missed = []
+    for _ in range(20_000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        at = rng.randint(0, len(text))
+        text = text[:at] + rng.choice(pieces) + text[at:] if rng.random() < 0.3 else text
+        if any(_GATES[kind](text) for kind in redactor._kinds) and not redactor.needed(text):
+            missed.append(text)
+    assert len(redactor._kinds) == len(_GATES) and not missed, missed[:5]

@@ -101,3 +101,48 @@ def test_the_stage_reads_only_new_records_and_stays_reproducible(tmp_path, mlflo
                                                                                               "max_bad"))
     changed = stage.fn(pipeline="small", root=str(tmp_path))
     assert changed.metrics["records"] == 155 and changed.outputs != full.outputs
+
+
+def test_new_traces_are_appended_to_the_stored_table_as_a_full_merge_would_place_them(tmp_path):
+    from flywheel.data import tracetable
+
+    cfg = CollectConfig(sources=["*.jsonl"])
+
+    def timed(n: int) -> str:  # record n at minute n
+        return json.dumps({**json.loads(_record(n)), "timestamp": f"2026-11-01T{n // 60:02d}:{n % 60:02d}:00Z"})
+
+    def run(since=None):
+        return collect([FileReader(cfg.sources[0], tmp_path, cfg.max_record_bytes)], cfg, Redactor(cfg.redact),
+                       ([], []), since)
+
+    _append(tmp_path / "b.jsonl", [timed(n) for n in range(0, 60, 2)])
+    first = run()
+    stored = tracetable.to_arrow(first.traces)
+    # later records, and a retried upload of an early one: appended, the stored copy stays
+    _append(tmp_path / "b.jsonl", [timed(n) for n in (61, 63, 4)])
+    merged = tracetable.merge(stored, run(first.states).traces)
+    assert merged.appended and merged.duplicates == 1 and len(merged.fresh) == 2
+    assert merged.table.to_pylist() == run().traces
+    # a back-filled record that sorts among the stored ones: merged in place, not appended
+    _append(tmp_path / "b.jsonl", [timed(7)])
+    merged = tracetable.merge(stored, run(first.states).traces)
+    assert not merged.appended and merged.table.to_pylist() == run().traces
+
+
+def test_the_stage_appends_later_traces_and_their_tasks_as_a_full_collect_writes_them(tmp_path, mlflow_store):
+    from tasks.collect import collect as stage
+
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    config = (REPO / "tests/conftest.py").read_text().split('SMALL_PIPELINE = """')[1].split('"""')[0]
+    (tmp_path / "pipelines.yaml").write_text(config)
+    stage.fn(pipeline="small", root=str(tmp_path))
+    log = tmp_path / "examples/traces/support-agent-2026-11-02.jsonl"
+    later = [json.dumps({**json.loads(_record(n)), "timestamp": f"2027-01-01T00:00:{n:02d}Z",
+                         "messages": [{"role": "user", "content": f"What is {n} * 7?"},
+                                      {"role": "assistant", "content": f"{7 * n}"}]}) for n in range(40, 45)]
+    _append(log, later + [log.read_text().splitlines()[0]])  # and a retried upload of an earlier record
+    second = stage.fn(pipeline="small", root=str(tmp_path))
+    assert second.metrics["traces_new"] == 5 and second.metrics["duplicates"] >= 1
+    full = stage.fn(pipeline="small", root=str(tmp_path), full=True)
+    assert full.outputs == second.outputs and full.metrics["tasks_from_traces"] == \
+        second.metrics["tasks_from_traces"]

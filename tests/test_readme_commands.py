@@ -81,8 +81,10 @@ GPU_ONLY = {"gpu_check.py": "its full form exits 1 without a CUDA GPU"}
 # The keys of each benchmark's JSON line that the README's figures are read from.
 FIGURES = {
     "collect.py": {"records", "megabytes", "json_loads_records_per_s", "collect_stage_records_per_s",
-                   "collect_stage_s", "ratio_json_loads_to_stage", "incremental_rerun_s"},
-    "synthesis.py": {"concurrency", "samples_per_s_concurrent", "samples_per_s_sequential", "ratio", "ideal_ratio"},
+                   "collect_stage_s", "ratio_json_loads_to_stage", "peak_rss_mb", "incremental_no_new_s",
+                   "incremental_1pct_new_s", "incremental_1pct_identical_to_full"},
+    "synthesis.py": {"concurrency", "samples_per_s_concurrent", "samples_per_s_sequential", "ratio", "ideal_ratio",
+                     "fraction_of_ideal"},
     "sft.py": {"steps", "batch_size", "stage_tokens_per_s", "bare_trl_tokens_per_s", "ratio"},
     "rl_async.py": {"sync_wall_s", "async_wall_s", "sync_generate_s", "sync_train_s", "sync_learner_idle_fraction",
                     "async_learner_idle_fraction", "speedup", "ideal_speedup", "fraction_of_ideal"},

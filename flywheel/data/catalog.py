@@ -58,6 +58,34 @@ class Catalog:
         os.replace(tmp, path)  # readers never see half a file
         return path
 
+    def check(self, name: str, frame: pd.DataFrame) -> pd.DataFrame:
+        """Validate rows against a table's contract without writing them (DataError naming the table's file)."""
+        return _validate(TABLES[name][1], frame, self.table_path(name))
+
+    def write_arrow(self, name: str, table) -> Path:
+        """Write an Arrow table whose rows were checked against the table's contract as they were made.
+
+        For the traces table: collect checks each new row with pandera, and the stored rows it appends to were
+        checked when first written; checking all of them again on every write would cost more than the rest.
+        """
+        import pyarrow.parquet as pq
+
+        path = self.table_path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)  # readers never see half a file
+        return path
+
+    def read_arrow(self, name: str, columns: list[str] | None = None):
+        """A table (or some of its columns) as Arrow, as written: unchecked, for the stage that wrote it."""
+        import pyarrow.parquet as pq
+
+        path = self.table_path(name)
+        if not path.exists():
+            raise DataError(f"{path}: table '{name}' not found; run the stage '{TABLES[name][0]}' first")
+        return pq.read_table(path, columns=columns)
+
     def read(self, name: str) -> pd.DataFrame:
         """Read and validate a table written by an earlier stage."""
         _, schema = TABLES[name]

@@ -27,20 +27,24 @@ def dvc_md5(path: Path) -> str:
 
 
 def log_dataset(run_id: str, frame: pd.DataFrame, name: str, source: Path, digest: str,
-                context: str = "training") -> None:
-    """The table as an MLflow dataset input of the run; its digest is the DVC hash, so either finds the other."""
+                context: str = "training", num_rows: int | None = None) -> None:
+    """The table as an MLflow dataset input of the run; its digest is the DVC hash, so either finds the other.
+
+    `num_rows` with an empty `frame` (the columns only) logs a table without loading its rows.
+    """
     from mlflow.entities import Dataset, DatasetInput, InputTag
     from mlflow.types import ColSpec, Schema
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
     from flywheel.registry import client
 
+    rows = len(frame) if num_rows is None else num_rows
     # Built directly: mlflow.data.from_pandas infers the schema row by row (seconds for 200k traces).
     types = {"f": "double", "i": "long", "u": "long", "b": "boolean"}
     schema = Schema([ColSpec(types.get(dtype.kind, "string"), str(column)) for column, dtype in frame.dtypes.items()])
     dataset = Dataset(name=name, digest=digest, source_type="local",
                       source=json.dumps({"uri": source.resolve().as_uri()}),
                       schema=json.dumps({"mlflow_colspec": schema.to_dict()}),
-                      profile=json.dumps({"num_rows": len(frame), "num_elements": int(frame.size)}))
+                      profile=json.dumps({"num_rows": rows, "num_elements": rows * len(frame.columns)}))
     tags = [InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)]
     client().log_inputs(run_id, datasets=[DatasetInput(dataset=dataset, tags=tags)])

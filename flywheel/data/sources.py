@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+import orjson
+
 from flywheel.config import CollectConfig, SourceConfig
 from flywheel.data.catalog import expand
 from flywheel.data.shapes import BadRecord, SourceError
@@ -66,9 +68,14 @@ def jsonl_line(raw: bytes, location: str, max_bytes: int) -> Item:
         return location, raw.decode("utf-8", "replace"), BadRecord("not_utf8", f"not UTF-8: {err.reason} at "
                                                                               f"byte {err.start}")
     try:
-        record = json.loads(text)
-    except json.JSONDecodeError as err:
-        return location, text, BadRecord("invalid_json", f"invalid JSON: {err.msg} at column {err.colno}")
+        record = orjson.loads(raw)  # ~3x faster than json.loads
+    except orjson.JSONDecodeError:
+        # orjson refuses some text json accepts (NaN, integers past 64 bits) and words its errors its own way:
+        # json decides, so what is read and what is quarantined, and why, stay as they were
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as err:
+            return location, text, BadRecord("invalid_json", f"invalid JSON: {err.msg} at column {err.colno}")
     if not isinstance(record, dict):
         return location, text, BadRecord("wrong_type", f"record is a JSON {type(record).__name__}, not an object")
     return location, text, record

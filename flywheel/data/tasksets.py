@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
 
 from flywheel.config import EnvironmentConfig
 from flywheel.envs.base import Environment, Task, split_of
+
+SCHEMA = pa.schema([(name, pa.string()) for name in ("task_id", "env", "prompt", "answer", "slice", "split",
+                                                     "origin")])
 
 
 def task_row(task: Task, origin: str) -> dict:
@@ -18,10 +27,41 @@ def row_task(row: dict) -> Task:
                 slice=row["slice"], split=row["split"])
 
 
-def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float,
-                traces: list[dict]) -> list[dict]:
-    """Draw generated tasks until both splits are full, then add the traces' verifiable tasks; no duplicates."""
+def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, messages: Iterable[str],
+                known: set[str] | None = None) -> list[dict]:
+    """Draw generated tasks until both splits are full, then add the traces' verifiable tasks; no duplicates.
+
+    `messages` are the traces' messages (JSON text) in table order. With `known`, the ids of the tasks built
+    from the traces before these ones, only the tasks new to those are returned: appended to that table, they
+    make the table a build over all the traces makes.
+    """
     rows: dict[str, dict] = {}
+    if known is None:
+        _generate(env, cfg, heldout_fraction, rows)
+    known = known or set()
+    for text in messages:
+        task = env.task_from_messages(orjson.loads(text))  # our own JSON: orjson reads it as json would
+        if task is not None and task.task_id not in rows and task.task_id not in known:
+            rows[task.task_id] = task_row(_with_split(task, split_of(task.task_id, heldout_fraction)), "trace")
+    return list(rows.values())
+
+
+def to_arrow(rows: list[dict]) -> pa.Table:
+    """Task rows as an Arrow table of the Tasks contract's columns (no pandas metadata: appends stay equal)."""
+    return pa.Table.from_pylist(rows, schema=SCHEMA)
+
+
+def recipe(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float) -> str:
+    """What the tasks table is built from besides the traces: the environment's config and code, hashed."""
+    from flywheel.data.catalog import content_hash
+
+    envs = Path(__file__).resolve().parents[1] / "envs"
+    code = content_hash([envs, Path(__file__).resolve()], envs.parent)
+    config = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(f"{env.name}|{config}|{heldout_fraction}|{code}".encode()).hexdigest()[:16]
+
+
+def _generate(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, rows: dict[str, dict]) -> None:
     wanted = {"train": cfg.train_tasks, "heldout": cfg.heldout_tasks}
     have = {"train": 0, "heldout": 0}
     draws, limit = 0, 50 * (cfg.train_tasks + cfg.heldout_tasks)
@@ -39,11 +79,6 @@ def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: floa
         rows[task.task_id] = task_row(_with_split(task, split), "generated")
         if have == wanted:
             break
-    for trace in traces:
-        task = env.task_from_messages(json.loads(trace["messages"]))
-        if task is not None and task.task_id not in rows:
-            rows[task.task_id] = task_row(_with_split(task, split_of(task.task_id, heldout_fraction)), "trace")
-    return list(rows.values())
 
 
 def _with_split(task: Task, split: str) -> Task:

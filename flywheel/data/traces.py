@@ -25,6 +25,9 @@ _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system ro
 QUARANTINE_RAW_CHARS = 10_000
 # what shapes.timestamp() makes of a time it could read; anything else is the record's own text
 _ISO_UTC = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{3})?Z")
+# json.dumps(value, ensure_ascii=False, ...) builds an encoder per call; these are the same encoders, built once
+_JSON_TEXT = json.JSONEncoder(ensure_ascii=False).encode
+_JSON_SORTED = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str).encode
 
 __all__ = ["BadRecord", "Collected", "Reader", "collect", "normalise_messages", "to_trace"]
 
@@ -156,9 +159,9 @@ def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConf
     metadata = scrub(parts.metadata)  # keeps the record's time field as it was, redacted like the rest
     # collected_at holds a time or nothing: text that is no time may be anything (a name, an address)
     collected_at = parts.time if _ISO_UTC.fullmatch(parts.time) else ""
-    messages_text = json.dumps(messages, ensure_ascii=False)
-    tools_text = json.dumps(tools, ensure_ascii=False)
-    metadata_text = json.dumps(metadata, sort_keys=True, ensure_ascii=False, default=str)
+    messages_text = _JSON_TEXT(messages)
+    tools_text = _JSON_TEXT(tools)
+    metadata_text = _JSON_SORTED(metadata)
     size = len(messages_text) + len(tools_text) + len(metadata_text)
     if size > cfg.max_record_bytes:
         raise BadRecord("oversize", f"record is {size} characters, over max_record_bytes {cfg.max_record_bytes}")
@@ -227,17 +230,7 @@ def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
     rows, invalid = _schema_check(rows)
     bad += invalid
 
-    best = {row["trace_id"]: row for row in previous[0]}
-    for row in rows:
-        kept = best.get(row["trace_id"])
-        if kept is not None:
-            found.duplicates += 1
-            if _order(row) >= _order(kept):
-                continue
-        best[row["trace_id"]] = row
-    found.traces = sorted(best.values(), key=_order)
-    fresh = {id(row) for row in rows}
-    found.new = Counter(row["source"] for row in found.traces if id(row) in fresh)
+    found.traces, found.duplicates, found.new = keep_earliest(previous[0], rows)
     unique = {tuple(q[k] for k in ("source", "location", "kind", "reason", "raw")): q for q in previous[1] + bad}
     found.quarantine = sorted(unique.values(), key=lambda q: (q["source"], *_place(q["location"]), q["kind"],
                                                               q["reason"], q["raw"]))
@@ -245,6 +238,22 @@ def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
     found.reasons = Counter(q["kind"] for q in bad)
     found.redacted = Counter(redactor.counts)
     return found
+
+
+def keep_earliest(previous: list[dict], rows: list[dict]) -> tuple[list[dict], int, Counter]:
+    """Previous and new rows sorted, each trace_id's earliest kept; (rows, new duplicates, new kept per source)."""
+    best = {row["trace_id"]: row for row in previous}
+    duplicates = 0
+    for row in rows:
+        kept = best.get(row["trace_id"])
+        if kept is not None:
+            duplicates += 1
+            if order(row) >= order(kept):
+                continue
+        best[row["trace_id"]] = row
+    merged = sorted(best.values(), key=order)
+    fresh = {id(row) for row in rows}
+    return merged, duplicates, Counter(row["source"] for row in merged if id(row) in fresh)
 
 
 def _schema_check(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -272,7 +281,8 @@ def _place(location: str) -> tuple[str, int]:
     return (head, int(tail)) if tail.isdigit() else (location, 0)
 
 
-def _order(row: dict) -> tuple:
+def order(row: dict) -> tuple:
+    """The traces table's sort key: the record's time, then where it was read."""
     return (row["collected_at"], row["source"], *_place(row["location"]), row["trace_id"])
 
 

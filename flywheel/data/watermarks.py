@@ -19,8 +19,9 @@ from flywheel.config import CollectConfig
 from flywheel.data.catalog import content_hash
 from flywheel.settings import state_dir
 
-# The modules that decide what a row looks like: a change to any of them re-collects everything.
-_RECIPE_CODE = ("traces.py", "shapes.py", "sources.py", "tracing.py", "redaction.py", "schemas.py")
+# The modules that decide what a row looks like and how the table is merged and written: a change to any of
+# them re-collects everything.
+_RECIPE_CODE = ("traces.py", "shapes.py", "sources.py", "tracing.py", "redaction.py", "schemas.py", "tracetable.py")
 
 
 def state_path(root: Path, pipeline: str) -> Path:
@@ -61,15 +62,24 @@ def load(root: Path, pipeline: str, cfg: CollectConfig, tables: dict[str, Path])
     return saved.get("sources", {})
 
 
-def save(root: Path, pipeline: str, cfg: CollectConfig, tables: dict[str, Path], sources: dict[str, dict]) -> None:
+def save(root: Path, pipeline: str, cfg: CollectConfig, tables: dict[str, Path], sources: dict[str, dict],
+         tasks_recipe: str = "") -> None:
     """Record the watermarks together with the tables they were written with (atomically)."""
     path = state_path(root, pipeline)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"recipe": recipe(cfg), "tables": {name: file_md5(p) for name, p in tables.items()},
-               "sources": sources}
+               "sources": sources, "tasks_recipe": tasks_recipe}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+def saved_tasks_recipe(root: Path, pipeline: str) -> str:
+    """The tasks recipe (tasksets.recipe) the tasks table was last built with; '' if unknown."""
+    try:
+        return json.loads(state_path(root, pipeline).read_text()).get("tasks_recipe", "")
+    except (OSError, json.JSONDecodeError):
+        return ""
 
 
 def reset(root: Path, pipeline: str) -> None:
