@@ -332,7 +332,7 @@ class Env:
         self._task_from_messages = task_from_messages
         self.tool_sources = list(tool_sources)
         self._source_of: dict[str, object] | None = None  # tool name -> its source, listed on first use
-        self._origin: tuple | None = None  # how flywheel.envs built it: a pickle rebuilds it the same way
+        self._origin: tuple | None = None  # (rebuild function, its args) from flywheel.envs: how pickles rebuild it
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -343,9 +343,7 @@ class Env:
     # the loop, lock and any lambdas cannot cross a process boundary (RL actors): rebuild from the factory
     def __reduce_ex__(self, protocol):
         if self._origin is not None:
-            from flywheel.envs import rebuild_environment
-
-            return rebuild_environment, self._origin
+            return self._origin
         return super().__reduce_ex__(protocol)
 
     def __getstate__(self) -> dict:
