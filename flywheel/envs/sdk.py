@@ -257,7 +257,8 @@ def _read_tasks(path: Path) -> list[Task]:
     if path.suffix == ".parquet":
         import pandas as pd
 
-        records = pd.read_parquet(path).to_dict("records")
+        frame = pd.read_parquet(path).astype(object)
+        records = frame.where(frame.notna(), None).to_dict("records")  # a missing slice or id is None, not NaN
     else:
         records = []
         for number, line in enumerate(path.read_text().splitlines(), 1):
