@@ -177,7 +177,8 @@ class OracleServer:
 
     def _answer(self, body: dict, number: int, malformed: bool) -> dict:
         judge = self.judge
-        message = {"role": "assistant", "content": judge(body["messages"])} if judge else self.env.solve(body["messages"])
+        message = ({"role": "assistant", "content": judge(body["messages"])} if judge
+                   else self.env.solve(body["messages"]))
         calls = message.get("tool_calls") or []
         if malformed and calls:
             calls = [{**calls[0], "function": {**calls[0]["function"], "arguments": '{"expression": "1 +'}}]

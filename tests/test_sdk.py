@@ -27,7 +27,7 @@ class Size(enum.Enum):
     LARGE = "l"
 
 
-def search(query: str, limit: int, ratio: float = 0.5, tags: Optional[list[str]] = None,
+def search(query: str, limit: int, ratio: float = 0.5, tags: Optional[list[str]] = None,  # noqa: UP045
            mode: Literal["fast", "exact"] = "fast", size: Size = Size.SMALL, flag: bool = False,
            extra: dict | None = None, state: object = None) -> str:
     """Search the catalogue.
@@ -131,7 +131,8 @@ def test_a_tool_that_raises_hangs_or_returns_a_non_string_is_an_error_the_model_
     task = Task("t1", "test", [{"role": "user", "content": "go"}], "{}", "all")
     (episode,) = run_episodes(env, Scripted(), [task], tool_timeout_s=0.2)
     results = [m["content"] for m in episode.messages if m["role"] == "tool"]
-    assert results == ["Error: tool 'broken' failed: KeyError: 'gone'", "Error: tool 'number' returned int, not a string",
+    assert results == ["Error: tool 'broken' failed: KeyError: 'gone'",
+                       "Error: tool 'number' returned int, not a string",
                        "Error: tool 'slow' timed out after 0.2s", "Error: not allowed",
                        "Error: tool 'number' returned int, not a string"]
     assert episode.stop == "answer" and episode.messages[-1]["content"] == "done"  # the episode went on
@@ -273,9 +274,10 @@ def test_tasks_from_jsonl_and_parquet(tmp_path):
     jsonl = tmp_path / "tasks.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     # a Parquet column has one type: prompts as message lists, answers as JSON text
-    pd.DataFrame([{**r, "answer": json.dumps(r["answer"]),
-                   "prompt": [{"role": "user", "content": r["prompt"]}] if isinstance(r["prompt"], str) else r["prompt"]}
-                  for r in rows]).to_parquet(tmp_path / "tasks.parquet")
+    as_messages = [[{"role": "user", "content": r["prompt"]}] if isinstance(r["prompt"], str) else r["prompt"]
+                   for r in rows]
+    pd.DataFrame([{**r, "answer": json.dumps(r["answer"]), "prompt": m}
+                  for r, m in zip(rows, as_messages, strict=True)]).to_parquet(tmp_path / "tasks.parquet")
     for path in (jsonl, tmp_path / "tasks.parquet"):
         env = Env("file", tools=[search], tasks=tasks_from_file(path), rewards=[lambda t, m: 1.0])
         tasks = sorted(env.generate_tasks(0), key=lambda t: t.slice)
