@@ -62,6 +62,8 @@ class OracleServer:
         self.faults: deque[str] = deque()
         self.down_after: int | None = None
         self.hang_after: int | None = None
+        # judge mode: when set, every answer is judge(messages) as plain text (an LLM judge's verdict)
+        self.judge = None
         self.received: list[dict] = []  # every request body, in arrival order
         self.answered: Counter[str] = Counter()  # body hash -> how many times it got a 200 answer
         self.seen_faults: Counter[str] = Counter()
@@ -174,7 +176,9 @@ class OracleServer:
                                  Route("/v1/chat/completions", chat, methods=["POST"])])
 
     def _answer(self, body: dict, number: int, malformed: bool) -> dict:
-        message = self.env.solve(body["messages"])
+        judge = self.judge
+        message = ({"role": "assistant", "content": judge(body["messages"])} if judge
+                   else self.env.solve(body["messages"]))
         calls = message.get("tool_calls") or []
         if malformed and calls:
             calls = [{**calls[0], "function": {**calls[0]["function"], "arguments": '{"expression": "1 +'}}]
