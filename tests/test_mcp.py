@@ -202,3 +202,54 @@ def test_config_entries_name_a_command_or_a_url():
         McpServer.from_config({"cmd": "x"})
     with pytest.raises(ValueError, match="exactly one of `command`"):
         McpServer.from_config({"command": "x", "url": "http://h/mcp"})
+
+
+def note(text: str) -> str:
+    """Write a note for the human agent.
+
+    Args:
+        text: what to write
+    """
+    return f"noted: {text}"
+
+
+def says_the_status(task, messages, state) -> float:
+    """1 when the final answer states the order's status."""
+    return float(json.loads(task.answer)["status"] in (messages[-1].get("content") or ""))
+
+
+def test_an_sdk_env_takes_tools_from_an_mcp_server_next_to_python_tools(server):
+    from flywheel.envs.sdk import Env
+
+    task = Task(task_id="t2", env="shop", prompt=[{"role": "user", "content": "Where is order O-1002?"}],
+                answer=json.dumps({"status": "pending"}), slice="mcp")
+    env = Env(name="shop", tools=[note], tasks=lambda seed: iter([task]), rewards=[says_the_status],
+              tool_sources=[server])
+    names = [t["function"]["name"] for t in env.tools()]
+    assert names == ["note", "order_status", "add", "slow", "pid"]  # Python tools first, then the server's
+    policy = Scripted([
+        _calls(("order_status", {"order_id": "O-1002"}), ("order_status", {"order_id": "O-9"}),
+               ("note", {"text": "asked"})),
+        _calls(("slow", {"seconds": 1.5})),
+        {"role": "assistant", "content": "Order O-1002 is pending."},
+    ])
+    episodes = run_episodes(env, policy, [task], samples=2, max_turns=4, tool_timeout_s=0.5)
+    for episode in episodes:
+        results = [m["content"] for m in episode.messages if m["role"] == "tool"]
+        assert results[0] == "pending" and "no order O-9" in results[1] and results[2] == "noted: asked"
+        assert results[3] == "Error: tool 'slow' timed out after 0.5s"
+        assert episode.stop == "answer" and episode.reward == 1.0 and episode.passed
+    counters = env.counters
+    assert counters["tool_calls"] == 8 and counters["tool_timeouts"] == 2
+    assert counters["tool_refusals"] + counters["tool_errors"] == 2  # the server's error, once per episode
+
+
+def test_a_server_pickles_as_its_config_and_starts_again_where_it_lands():
+    import pickle
+
+    with McpServer([sys.executable, str(SERVER), "stdio"], timeout_s=3.0) as source:
+        pid = source.call_tool("pid", {}).split()[0]
+        copy_ = pickle.loads(pickle.dumps(source))  # what an RL actor in another process receives
+    with copy_:
+        assert copy_.timeout_s == 3.0 and copy_.call_tool("add", {"a": 1, "b": 2}) == "3"
+        assert copy_.call_tool("pid", {}).split()[0] != pid  # its own server process

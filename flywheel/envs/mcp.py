@@ -84,6 +84,14 @@ class McpServer:
     def __repr__(self) -> str:
         return f"McpServer({self.label!r})"
 
+    # a process that receives this source (an RL actor) gets its config and starts its own server on first use
+    def __getstate__(self) -> dict:
+        return {"command": self.command or None, "url": self.url, "env": self.env, "cwd": self.cwd,
+                "headers": self.headers, "timeout_s": self.timeout_s, "startup_timeout_s": self.startup_timeout_s}
+
+    def __setstate__(self, config: dict) -> None:
+        self.__init__(**config)
+
     def __enter__(self) -> McpServer:
         self.start()
         return self
