@@ -31,8 +31,8 @@ class Episode:
     completions: list[Completion] = field(default_factory=list)
 
 
-def call_tool(env: Environment, call: dict, timeout_s: float) -> str:
-    """Run one tool call with a timeout; every failure becomes text the model sees, never an exception."""
+def call_tool(env: Environment, call: dict, timeout_s: float, state: object = None) -> str:
+    """Run one tool call in the episode's state with a timeout; every failure becomes text the model sees."""
     fn = call.get("function", {})
     try:
         arguments = json.loads(fn.get("arguments") or "{}")
@@ -40,10 +40,15 @@ def call_tool(env: Environment, call: dict, timeout_s: float) -> str:
         return f"Error: arguments are not valid JSON: {err}"
     if not isinstance(arguments, dict):
         return "Error: arguments must be a JSON object"
-    future = _TOOL_POOL.submit(env.call_tool, fn.get("name", ""), arguments)
+    # a stateless environment is called as before state existed (subclasses may keep the two-argument form)
+    extra = () if state is None else (state,)
+    future = _TOOL_POOL.submit(env.call_tool, fn.get("name", ""), arguments, *extra)
     try:
         return str(future.result(timeout=timeout_s))
     except FutureTimeout:
+        count = getattr(env, "count", None)
+        if count:  # SDK environments keep counts for the stage to log
+            count("tool_timeouts")
         return f"Error: tool '{fn.get('name')}' timed out after {timeout_s}s"
     except ToolError as err:
         return f"Error: {err}"
@@ -59,11 +64,38 @@ def run_episodes(env: Environment, policy: Policy, tasks: Sequence[Task], *, sam
     episodes = [Episode(task=t, sample=s, messages=[dict(m) for m in t.prompt])
                 for t in tasks for s in range(samples)]
     tools = env.tools()
+    # one state per episode, made before its first turn and torn down after its score: never shared
+    start = getattr(env, "start", None)
+    states = {id(e): start(e.task) if start else None for e in episodes}
+    try:
+        _advance(env, policy, episodes, states, tools, sampling, max_turns, tool_timeout_s)
+        for episode in episodes:
+            state = states[id(episode)]
+            score = env.score(episode.task, episode.messages, *(() if state is None else (state,)))
+            episode.reward, episode.passed, episode.breakdown = score.reward, score.passed, dict(score.breakdown)
+            if on_done:
+                on_done(episode)
+    finally:
+        finish = getattr(env, "finish", None)
+        if finish:
+            for state in states.values():
+                if state is not None:
+                    finish(state)
+    return episodes
+
+
+def _advance(env: Environment, policy: Policy, episodes: list[Episode], states: dict, tools: list[dict],
+             sampling: Sampling, max_turns: int, tool_timeout_s: float) -> None:
+    """Advance every episode one turn at a time, all conversations in one policy batch per turn."""
     active = list(episodes)
+    # the oracle reads the episode state (a model reads only the conversation)
+    with_states = getattr(policy, "takes_states", False)
     for turn in range(max_turns):
         if not active:
             break
-        completions = policy.generate([e.messages for e in active], tools, sampling)
+        conversations = [e.messages for e in active]
+        completions = (policy.generate(conversations, tools, sampling, states=[states[id(e)] for e in active])
+                       if with_states else policy.generate(conversations, tools, sampling))
         still_active = []
         for episode, completion in zip(active, completions, strict=True):
             episode.turns = turn + 1
@@ -80,14 +112,9 @@ def run_episodes(env: Environment, policy: Policy, tasks: Sequence[Task], *, sam
             elif calls:
                 for call in calls:
                     episode.messages.append({"role": "tool", "tool_call_id": call["id"],
-                                             "content": call_tool(env, call, tool_timeout_s)})
+                                             "content": call_tool(env, call, tool_timeout_s,
+                                                                  states[id(episode)])})
                 still_active.append(episode)
             else:
                 episode.stop = "answer"
         active = still_active
-    for episode in episodes:
-        score = env.score(episode.task, episode.messages)
-        episode.reward, episode.passed, episode.breakdown = score.reward, score.passed, dict(score.breakdown)
-        if on_done:
-            on_done(episode)
-    return episodes

@@ -1,4 +1,4 @@
-"""The `flywheel` command: run a pipeline or one stage, check, compare, rerun, status, serve and deploy."""
+"""The `flywheel` command: run a pipeline or one stage, check, compare, rerun, status, envs, serve and deploy."""
 
 from __future__ import annotations
 
@@ -46,9 +46,10 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yam
 
     root = _checked_root(root)
     try:
-        load_pipeline(pipeline, root / "pipelines.yaml")
+        cfg = load_pipeline(pipeline, root / "pipelines.yaml")
     except ConfigError as err:
         _fail(str(err))
+    _check_environments(root, {pipeline: cfg})
     from flows.retrain import retrain
 
     started = time.monotonic()
@@ -237,10 +238,35 @@ def check(root: Path = ROOT) -> None:
         pipelines = load_pipelines(root / "pipelines.yaml")
     except ConfigError as err:
         _fail(str(err))
+    _check_environments(root, pipelines)
     stale = _stale_dvc_yaml(root)
     if stale:
         _fail(stale)
     typer.echo(f"{root / 'pipelines.yaml'}: ok ({', '.join(sorted(pipelines))})")
+
+
+def _check_environments(root: Path, pipelines: dict) -> None:
+    """Build each pipeline's environment now: an unknown factory, an import error or a factory that raises is
+    an error naming the key, the module and the cause before any stage runs."""
+    from flywheel.envs import EnvironmentLoadError, load_environment
+
+    for name, cfg in pipelines.items():
+        try:
+            load_environment(cfg.environment, root.resolve())
+        except EnvironmentLoadError as err:
+            _fail(f"{root / 'pipelines.yaml'}: pipelines.{name}.{err}")
+
+
+@app.command()
+def envs() -> None:
+    """List the environments a pipeline can name: built-ins and installed packages' entry points."""
+    from flywheel.envs import ENTRY_POINT_GROUP, entry_point_environments, environment_names
+
+    for name in environment_names():
+        typer.echo(f"{name}\tbuilt-in\tflywheel.envs.{name}")
+    for name, target in sorted(entry_point_environments().items()):
+        typer.echo(f"{name}\tentry point ({ENTRY_POINT_GROUP})\t{target}")
+    typer.echo("any other: environment: {factory: \"package.module:function\", args: {...}} in pipelines.yaml")
 
 
 def _stale_dvc_yaml(root: Path) -> str | None:

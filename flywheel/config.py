@@ -6,7 +6,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -23,12 +23,24 @@ class Section(BaseModel):
 
 
 class EnvironmentConfig(Section):
-    name: str = "calculator"
+    # A built-in (`calculator`, or an installed package's `flywheel.environments` entry point) by name, or any
+    # factory "package.module:function" (importable from the project root) called with `args`. Not both.
+    name: str | None = None
+    factory: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    args: dict[str, Any] = {}
     train_tasks: int = Field(3000, ge=1)
     heldout_tasks: int = Field(200, ge=1)
     seed: int = 0
     max_turns: int = Field(4, ge=1, le=32)
     tool_timeout_s: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvironmentConfig:
+        if self.name and self.factory:
+            raise ValueError(f"set either 'name' ({self.name}) or 'factory' ({self.factory}), not both")
+        if not self.name and not self.factory:
+            object.__setattr__(self, "name", "calculator")  # the demo's environment when neither is given
+        return self
 
 
 class TinyModelConfig(Section):

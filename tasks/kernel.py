@@ -25,7 +25,7 @@ from prefect import task as prefect_task
 
 from flywheel.config import PipelineConfig, load_pipeline
 from flywheel.data.catalog import Catalog
-from flywheel.envs import Environment, get_environment
+from flywheel.envs import Environment, load_environment
 from flywheel.registry import Run, stage_run
 from flywheel.stages import ORDER, StageResult
 from tasks.caching import by_content
@@ -59,13 +59,18 @@ class StageContext:
 
     @cached_property
     def env(self) -> Environment:
-        """The pipeline's environment, built on first use (not every stage needs one)."""
-        return get_environment(self.cfg.environment.name)
+        """The pipeline's environment (a built-in or a factory's), built on first use (not every stage needs one)."""
+        return load_environment(self.cfg.environment, self.root)
 
     def done(self, metrics: dict, **fields) -> StageResult:
-        """Tag the run with each output's content hash (`flywheel.out.<path>`); the stage's result.
+        """Log the environment's counters, tag the run with each output's content hash (`flywheel.out.<path>`);
+        the stage's result.
 
         `fields` are the stage's own (StageResult.gate, .registration)."""
+        env = self.__dict__.get("env")  # built only if the stage used it
+        counters = getattr(env, "counters", None)
+        if counters:  # tool errors, timeouts, bad returns, judge verdicts it could not parse: env.<counter>
+            self.run.metrics({f"env.{key}": value for key, value in counters.items()})
         outputs = output_hashes(self.name, self.pipeline, self.root)
         self.run.tags({f"flywheel.out.{path}": digest for path, digest in outputs.items()})
         return StageResult(self.name, self.run.run_id, metrics, outputs, **fields)

@@ -11,6 +11,7 @@ import flywheel
 from flywheel.config import PipelineConfig, load_pipeline, load_pipelines
 from flywheel.data.catalog import content_hash
 from flywheel.data.sources import local_files
+from flywheel.envs import environment_sources
 from flywheel.stages import ORDER as STAGE_ORDER
 
 PACKAGE_ROOT = Path(flywheel.__file__).resolve().parent.parent
@@ -30,6 +31,8 @@ class StageSpec:
             paths += local_files(cfg.collect, root)  # remote sources: see tasks/collect.py cache_key
         if self.name == "sft" and cfg.student.chat_template:
             paths.append(root / cfg.student.chat_template)  # its text, not only its name, is an input
+        if "environment" in self.config:
+            paths += [root / d for d in env_deps(cfg, root)]  # an absolute path stays itself
         return paths
 
     def out_paths(self, root: Path, pipeline: str) -> list[Path]:
@@ -86,6 +89,15 @@ def output_hashes(stage: str, pipeline: str, root: Path) -> dict[str, str]:
     return {out.format(p=pipeline): content_hash([root / out.format(p=pipeline)], root) for out in STAGES[stage].outs}
 
 
+def env_deps(cfg: PipelineConfig, root: Path) -> list[str]:
+    """The environment's own source (a factory's module or package folder): relative to the root when inside it.
+
+    Built-in environments add nothing: flywheel/envs is in the code of every stage that runs episodes."""
+    root = Path(root).resolve()
+    return [str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
+            for p in environment_sources(cfg.environment, root)]
+
+
 _GLOB = set("*?[")
 
 
@@ -111,33 +123,42 @@ def dvc_yaml(root: Path = PACKAGE_ROOT) -> str:
     """dvc.yaml as these specs and root/pipelines.yaml imply it (`python -m tasks.spec > dvc.yaml`).
 
     Every stage is a `foreach` over the pipelines, so `collect@demo`, `sft@demo`, ... Collect's deps differ per
-    pipeline (its own sources), and a `foreach` template has one deps list for all: collect iterates over a
-    table written here, pipeline -> its source folders, each in a slot of the template. tests/test_spec.py
+    pipeline (its own sources), as do those of every stage that runs episodes when a pipeline's environment is
+    a factory's (its code), and a `foreach` template has one deps list for all: such a stage iterates over a
+    table written here, pipeline -> its own deps, each in a slot of the template. tests/test_spec.py
     checks the project's dvc.yaml against this; after changing a pipeline's sources or adding a pipeline,
     generate it again.
     """
     pipelines = load_pipelines(root / "pipelines.yaml")
-    sources = {name: source_deps(cfg) for name, cfg in pipelines.items()}
-    # every pipeline fills every slot; one with fewer folders repeats its first dep (DVC accepts a path twice)
-    slots = max((len(deps) for deps in sources.values()), default=0)
+    envs = {name: env_deps(cfg, root) for name, cfg in pipelines.items()}
     lines = [
         "# One DVC stage per pipeline stage and per pipeline in pipelines.yaml (`collect@demo`, `sft@demo`, ...).",
         "# Prefect runs the same stage functions (`flywheel run`); after each it commits the outputs here as",
         "# `dvc repro` would, so `dvc status` is clean after a run and `dvc repro` reruns only what changed.",
         "# Generated from tasks/spec.py (the Prefect cache keys) and pipelines.yaml: `python -m tasks.spec > dvc.yaml`",
-        "# again after adding a pipeline or changing a pipeline's collect sources.",
+        "# again after adding a pipeline, changing a pipeline's collect sources or its environment.",
         "vars:", "  - pipelines.yaml", "", "stages:"]
     for spec in STAGES.values():
         lines.append(f"  {spec.name}:")
         extra: list[str] = []
+        # deps that differ per pipeline: collect's source folders, the environment's own code (a factory's)
         if spec.name == "collect":
-            # collect reads the folders its local sources' globs are in; DVC deps cannot be globs
+            table = {name: source_deps(cfg) + envs[name] for name, cfg in pipelines.items()}
+        elif "environment" in spec.config:
+            table = envs
+        else:
+            table = {}
+        slots = max((len(deps) for deps in table.values()), default=0)
+        if slots or spec.name == "collect":
+            # a `foreach` template has one deps list for all pipelines: each pipeline fills every slot, one with
+            # fewer deps repeats its first (DVC accepts a path twice), one with none names a dep the stage has anyway
+            slot_name = "sources" if spec.name == "collect" else "env"
             lines.append("    foreach:")
-            for name, deps in sources.items():
-                filled = deps or [spec.code[0]]  # remote sources only: a dep the stage has anyway
+            for name, deps in table.items():
+                filled = deps or [spec.code[0]]
                 filled = filled + filled[:1] * (slots - len(filled))
-                lines += [f"      {name}:", f"        sources: {json.dumps(filled)}"]
-            extra = [f"${{item.sources[{i}]}}" for i in range(slots)]
+                lines += [f"      {name}:", f"        {slot_name}: {json.dumps(filled)}"]
+            extra = [f"${{item.{slot_name}[{i}]}}" for i in range(slots)]
         else:
             lines.append("    foreach: ${pipelines}")
         lines += ["    do:", f"      cmd: flywheel stage {spec.name} --pipeline ${{key}}", "      deps:"]

@@ -1,23 +1,133 @@
-"""The registry of environments by name: a new environment is one new module here that defines ENVIRONMENT."""
+"""Which environment a pipeline runs: a built-in by name, an installed package's entry point, or any factory.
+
+`environment:` in pipelines.yaml takes `name: calculator` (a module of this package that defines ENVIRONMENT,
+or an entry point of the `flywheel.environments` group) or `factory: "package.module:function"` with `args`
+passed to it. The project root is importable while resolving, so a project-local `envs/` folder works.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import importlib.util
 import pkgutil
+import sys
+from pathlib import Path
 
-from flywheel.envs.base import Environment, Score, Task, ToolError
+from flywheel.envs.base import Environment, RubricError, Score, Task, ToolError
+from flywheel.envs.sdk import PROJECT_ROOT, Env
 
-__all__ = ["Environment", "Score", "Task", "ToolError", "get_environment", "environment_names"]
+__all__ = ["Environment", "Score", "Task", "ToolError", "RubricError", "EnvironmentLoadError", "get_environment",
+           "environment_names", "entry_point_environments", "environment_sources", "load_environment"]
+
+ENTRY_POINT_GROUP = "flywheel.environments"
+# modules of this package that are parts of environments, not environments
+_PARTS = {"base", "sdk", "judge", "mcp", "verifiers"}
+_BUILTIN_FOLDER = Path(__file__).resolve().parent
+
+
+class EnvironmentLoadError(ValueError):
+    """An environment could not be built; the message names the config key, the module and the cause."""
 
 
 def environment_names() -> list[str]:
     """Names of the built-in environments (modules of this package that define ENVIRONMENT)."""
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base")
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _PARTS)
 
 
-def get_environment(name: str, **options) -> Environment:
-    """Build the environment called `name`; an unknown name lists the known ones."""
-    if name not in environment_names():
-        raise ValueError(f"unknown environment '{name}' (known: {', '.join(environment_names())})")
-    module = importlib.import_module(f"flywheel.envs.{name}")
-    return module.ENVIRONMENT(**options)
+def entry_point_environments() -> dict[str, str]:
+    """Environments advertised by installed packages: name -> "module:function" (group flywheel.environments)."""
+    return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _importable(root: Path | None) -> None:
+    # the project root first on sys.path, and left there: RL actor processes inherit sys.path and rebuild from it
+    if root is not None and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+
+
+def _target(name: str | None, factory: str | None) -> tuple[str, str]:
+    """(config key, "module:function") of what is to be built."""
+    if factory:
+        return "environment.factory", factory
+    name = name or "calculator"
+    if name in environment_names():
+        return "environment.name", f"flywheel.envs.{name}:ENVIRONMENT"
+    advertised = entry_point_environments()
+    if name in advertised:
+        return "environment.name", advertised[name]
+    known = ", ".join(environment_names() + sorted(advertised))
+    raise EnvironmentLoadError(f"environment.name: unknown environment '{name}' (known: {known}; or set "
+                               "environment.factory: \"package.module:function\")")
+
+
+def get_environment(name: str | None = None, *, factory: str | None = None, args: dict | None = None,
+                    root: str | Path | None = None) -> Environment:
+    """Build an environment by built-in or entry-point `name`, or from `factory` ("module:function") with `args`."""
+    key, target = _target(name, factory)
+    module_name, _, attribute = target.partition(":")
+    where = f"{key} '{factory or name}'"
+    root = Path(root).resolve() if root is not None else None
+    _importable(root)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:
+        raise EnvironmentLoadError(f"{where}: cannot import module '{module_name}': {type(err).__name__}: {err}"
+                                   + ("" if root is None else f" (the project root {root} is on sys.path)")) from err
+    fn = getattr(module, attribute, None)
+    if not callable(fn):
+        raise EnvironmentLoadError(f"{where}: module '{module_name}' ({module.__file__}) has no function "
+                                   f"'{attribute}'")
+    token = PROJECT_ROOT.set(root)
+    try:
+        env = fn(**(args or {}))
+    except Exception as err:
+        raise EnvironmentLoadError(f"{where}: {module_name}.{attribute}(**{args or {}}) raised "
+                                   f"{type(err).__name__}: {err}") from err
+    finally:
+        PROJECT_ROOT.reset(token)
+    missing = [m for m in ("tools", "generate_tasks", "call_tool", "score") if not callable(getattr(env, m, None))]
+    if missing or not isinstance(getattr(env, "name", None), str):
+        raise EnvironmentLoadError(f"{where}: {module_name}.{attribute} returned {type(env).__name__}, not an "
+                                   f"environment (lacks {', '.join(missing) or 'name'}); return flywheel.envs.sdk.Env")
+    if isinstance(env, Env):
+        env._origin = (rebuild_environment, (name, factory, dict(args or {}), None if root is None else str(root)))
+    return env
+
+
+def rebuild_environment(name: str | None, factory: str | None, args: dict, root: str | None) -> Environment:
+    """The same environment built again (how an SDK environment crosses into another process)."""
+    return get_environment(name, factory=factory, args=args, root=root)
+
+
+def load_environment(cfg, root: str | Path) -> Environment:
+    """The environment of a pipeline's `environment:` section (flywheel.config.EnvironmentConfig)."""
+    return get_environment(cfg.name, factory=cfg.factory, args=cfg.args, root=root)
+
+
+def environment_sources(cfg, root: str | Path) -> list[Path]:
+    """The files an environment's behaviour comes from, for cache keys and dvc.yaml deps: the folder of the
+    package holding its module (or the module file when it is top-level). Built-ins: none beyond flywheel/envs,
+    which every stage that runs episodes depends on already."""
+    key, target = _target(cfg.name, cfg.factory)
+    module_name = target.partition(":")[0]
+    root = Path(root).resolve()
+    _importable(root)
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except Exception as err:
+        raise EnvironmentLoadError(f"{key} '{cfg.factory or cfg.name}': cannot find module '{module_name}': "
+                                   f"{type(err).__name__}: {err}") from err
+    if spec is None or not spec.origin or spec.origin in ("built-in", "frozen"):
+        raise EnvironmentLoadError(f"{key} '{cfg.factory or cfg.name}': no module '{module_name}' (looked in the "
+                                   f"project root {root} and the installed packages)")
+    origin = Path(spec.origin).resolve()
+    if spec.submodule_search_locations is not None:  # a package: its whole folder
+        path = origin.parent
+    elif "." in module_name:  # a module inside a package: its siblings and data files count too
+        path = origin.parent
+    else:
+        path = origin
+    if path == _BUILTIN_FOLDER or path.is_relative_to(_BUILTIN_FOLDER):
+        return []
+    return [path]

@@ -20,6 +20,11 @@ class Task:
     slice: str
     split: str = "train"
 
+    @property
+    def data(self):
+        """The answer's JSON parsed: what a rubric reads."""
+        return json.loads(self.answer)
+
 
 @dataclass(frozen=True)
 class Score:
@@ -44,7 +49,12 @@ def split_of(key: str, heldout_fraction: float) -> str:
 
 
 class Environment(Protocol):
-    """Tasks + tools + rubric. The harness (flywheel.agent) runs episodes in it; nothing else does."""
+    """Tasks + tools + rubric. The harness (flywheel.agent) runs episodes in it; nothing else does.
+
+    Episode state is opaque to the harness: start(task) makes it (None for a stateless environment), every
+    call_tool and the score of that episode get it, then finish(state) tears it down. Concurrent episodes never
+    share one. score with state None scores a recorded conversation (flywheel/envs/sdk.py replays its calls).
+    """
 
     name: str
 
@@ -53,25 +63,37 @@ class Environment(Protocol):
         ...
 
     def generate_tasks(self, seed: int) -> Iterator[Task]:
-        """An endless, seeded stream of tasks (split left as 'train'; the caller assigns splits)."""
+        """A seeded stream of tasks, endless or finite (split left as 'train'; the caller assigns splits)."""
         ...
 
     def task_from_messages(self, messages: list[dict]) -> Task | None:
         """The task behind a recorded conversation, if this environment can verify it; else None."""
         ...
 
-    def call_tool(self, name: str, arguments: dict) -> str:
-        """Run one tool call; raise ToolError with a message the model will see."""
+    def start(self, task: Task) -> object:
+        """A fresh per-episode state for `task` (e.g. a copy of a database); None when there is none."""
         ...
 
-    def score(self, task: Task, messages: list[dict]) -> Score:
+    def call_tool(self, name: str, arguments: dict, state: object = None) -> str:
+        """Run one tool call in the episode's state; raise ToolError with a message the model will see."""
+        ...
+
+    def score(self, task: Task, messages: list[dict], state: object = None) -> Score:
         """The rubric: the RL reward and the eval metric are this one call."""
         ...
 
-    def solve(self, messages: list[dict]) -> dict:
-        """The scripted oracle's next assistant message, read from the conversation alone as a model would."""
+    def finish(self, state: object) -> None:
+        """Tear down an episode's state after it was scored."""
+        ...
+
+    def solve(self, messages: list[dict], state: object = None) -> dict:
+        """The scripted oracle's next assistant message (NotImplementedError when the environment has none)."""
         ...
 
 
 class ToolError(Exception):
     """A tool refused or failed; its message goes back to the model as the tool result."""
+
+
+class RubricError(ValueError):
+    """A reward function returned NaN, a value outside [0, 1] or not a number: a bug in the environment."""

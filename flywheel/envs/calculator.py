@@ -1,4 +1,7 @@
-"""The calculator environment: integer arithmetic questions, a safe `calculator` tool, an exact-answer rubric."""
+"""The calculator environment: integer arithmetic questions, a safe `calculator` tool, an exact-answer rubric.
+
+Written on the SDK (flywheel/envs/sdk.py) like any user's environment.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import random
 import re
 from collections.abc import Iterator
 
-from flywheel.envs.base import Score, Task, ToolError, prompt_hash
+from flywheel.envs.base import Task, ToolError, prompt_hash
+from flywheel.envs.sdk import Env, Reward
 
 MAX_CHARS = 200
 MAX_EXPONENT = 64
@@ -101,98 +105,109 @@ def _first_user_text(messages: list[dict]) -> str | None:
     return next((_text(m.get("content")) for m in messages if m.get("role") == "user"), None)
 
 
-class CalculatorEnv:
-    """Arithmetic with 2-3 operands up to 99 that the agent should hand to the `calculator` tool."""
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression (+ - * / // % ** and parentheses).
 
-    name = "calculator"
+    Args:
+        expression: e.g. 37 * 12 + 5
+    """
+    return format_number(evaluate(expression))
 
-    def tools(self) -> list[dict]:
-        """The one `calculator` function schema."""
-        return [{"type": "function", "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
-            "parameters": {"type": "object",
-                           "properties": {"expression": {"type": "string", "description": "e.g. 37 * 12 + 5"}},
-                           "required": ["expression"]}}}]
 
-    def generate_tasks(self, seed: int) -> Iterator[Task]:
-        """An endless seeded stream of questions, slices 'add', 'mul' and 'mixed' in equal shares."""
-        rng = random.Random(seed)
-        while True:
-            kind = rng.choice(["add", "mul", "mixed"])
-            a, b, c = (rng.randint(1, 99) for _ in range(3))
-            if kind == "add":
-                expression = f"{a} {rng.choice('+-')} {b}"
-            elif kind == "mul":
-                expression = f"{a} * {b}"
-            else:
-                op1, op2 = rng.choice("+-*"), rng.choice("+-*")
-                expression = rng.choice([f"{a} {op1} {b} {op2} {c}", f"({a} {op1} {b}) {op2} {c}",
-                                         f"{a} {op1} ({b} {op2} {c})"])
-            prompt = [{"role": "user", "content": rng.choice(PHRASINGS).format(expression)}]
-            yield self._task(prompt, expression, evaluate(expression))
+def generate_tasks(seed: int) -> Iterator[Task]:
+    """An endless seeded stream of questions, slices 'add', 'mul' and 'mixed' in equal shares."""
+    rng = random.Random(seed)
+    while True:
+        kind = rng.choice(["add", "mul", "mixed"])
+        a, b, c = (rng.randint(1, 99) for _ in range(3))
+        if kind == "add":
+            expression = f"{a} {rng.choice('+-')} {b}"
+        elif kind == "mul":
+            expression = f"{a} * {b}"
+        else:
+            op1, op2 = rng.choice("+-*"), rng.choice("+-*")
+            expression = rng.choice([f"{a} {op1} {b} {op2} {c}", f"({a} {op1} {b}) {op2} {c}",
+                                     f"{a} {op1} ({b} {op2} {c})"])
+        prompt = [{"role": "user", "content": rng.choice(PHRASINGS).format(expression)}]
+        yield _task(prompt, expression, evaluate(expression))
 
-    def task_from_messages(self, messages: list[dict]) -> Task | None:
-        """The task behind a conversation: the first user message, if it holds an integer expression."""
-        text = _first_user_text(messages)
-        expression = find_expression(text) if text else None
-        if expression is None:
-            return None
+
+def task_from_messages(messages: list[dict]) -> Task | None:
+    """The task behind a conversation: the first user message, if it holds an integer expression."""
+    text = _first_user_text(messages)
+    expression = find_expression(text) if text else None
+    if expression is None:
+        return None
+    try:
+        value = evaluate(expression)
+    except ToolError:
+        return None
+    if isinstance(value, float) and not value.is_integer():
+        return None
+    return _task([{"role": "user", "content": text}], expression, value)
+
+
+def _task(prompt: list[dict], expression: str, value: float) -> Task:
+    return Task(task_id=prompt_hash(prompt), env="calculator", prompt=prompt,
+                answer=json.dumps({"expression": expression, "value": int(value)}), slice=slice_of(expression))
+
+
+def answer(task: Task, messages: list[dict]) -> float:
+    """1 if the final answer's last number is the right value, else 0: the reward."""
+    last = messages[-1] if messages else {}
+    answered = last.get("role") == "assistant" and not last.get("tool_calls")
+    # "1,234" is one number to a reader, so drop thousands separators before reading numbers
+    numbers = NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3})", "", _text(last.get("content")))) if answered else []
+    return float(bool(numbers) and int(numbers[-1]) == task.data["value"])
+
+
+def used_tool(task: Task, messages: list[dict]) -> float:
+    """1 if the agent called the calculator at all (logged, not rewarded)."""
+    return float(any(c.get("function", {}).get("name") == "calculator"
+                     for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []))
+
+
+def valid_tool_calls(task: Task, messages: list[dict]) -> float:
+    """The share of tool results that are not errors (logged, not rewarded)."""
+    results = [_text(m.get("content")) for m in messages if m.get("role") == "tool"]
+    return sum(not r.startswith("Error:") for r in results) / len(results) if results else 1.0
+
+
+def solve(messages: list[dict]) -> dict:
+    """Call the calculator on the question's expression, then state its result (or an own computation)."""
+    expression = find_expression(_first_user_text(messages) or "")
+    if expression is None:
+        return {"role": "assistant", "content": "I could not find an arithmetic expression in the question."}
+    results = [_text(m.get("content")) for m in messages if m.get("role") == "tool"]
+    if not results:
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_0", "type": "function",
+             "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}]}
+    result = results[-1]
+    if result.startswith("Error:"):  # the tool failed (timeout, bad call): the oracle still knows the sum
         try:
-            value = evaluate(expression)
-        except ToolError:
-            return None
-        if isinstance(value, float) and not value.is_integer():
-            return None
-        return self._task([{"role": "user", "content": text}], expression, value)
-
-    def _task(self, prompt: list[dict], expression: str, value: float) -> Task:
-        return Task(task_id=prompt_hash(prompt), env=self.name, prompt=prompt,
-                    answer=json.dumps({"expression": expression, "value": int(value)}),
-                    slice=slice_of(expression))
-
-    def call_tool(self, name: str, arguments: dict) -> str:
-        """Run the calculator; bad names, arguments and expressions are ToolErrors the model sees."""
-        if name != "calculator":
-            raise ToolError(f"unknown tool '{name}'; the only tool is 'calculator'")
-        expression = arguments.get("expression") if isinstance(arguments, dict) else None
-        if not isinstance(expression, str):
-            raise ToolError("calculator needs a string argument 'expression', e.g. {\"expression\": \"2 + 3\"}")
-        return format_number(evaluate(expression))
-
-    def score(self, task: Task, messages: list[dict]) -> Score:
-        """Reward 1 if the final answer's last number is the right value, else 0."""
-        value = json.loads(task.answer)["value"]
-        last = messages[-1] if messages else {}
-        answered = last.get("role") == "assistant" and not last.get("tool_calls")
-        # "1,234" is one number to a reader, so drop thousands separators before reading numbers
-        numbers = NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3})", "", _text(last.get("content")))) if answered else []
-        right = bool(numbers) and int(numbers[-1]) == value
-        used_tool = any(c.get("function", {}).get("name") == "calculator"
-                        for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or [])
-        results = [_text(m.get("content")) for m in messages if m.get("role") == "tool"]
-        valid = sum(not r.startswith("Error:") for r in results) / len(results) if results else 1.0
-        reward = 1.0 if right else 0.0
-        return Score(reward=reward, passed=reward == 1.0,
-                     breakdown={"answer": float(right), "used_tool": float(used_tool), "valid_tool_calls": valid})
-
-    def solve(self, messages: list[dict]) -> dict:
-        """Call the calculator on the question's expression, then state its result (or an own computation)."""
-        expression = find_expression(_first_user_text(messages) or "")
-        if expression is None:
-            return {"role": "assistant", "content": "I could not find an arithmetic expression in the question."}
-        results = [_text(m.get("content")) for m in messages if m.get("role") == "tool"]
-        if not results:
-            return {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "call_0", "type": "function",
-                 "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}]}
-        result = results[-1]
-        if result.startswith("Error:"):  # the tool failed (timeout, bad call): the oracle still knows the sum
-            try:
-                result = format_number(evaluate(expression))
-            except ToolError as err:
-                return {"role": "assistant", "content": f"I cannot compute that: {err}."}
-        return {"role": "assistant", "content": f"The answer is {result}."}
+            result = format_number(evaluate(expression))
+        except ToolError as err:
+            return {"role": "assistant", "content": f"I cannot compute that: {err}."}
+    return {"role": "assistant", "content": f"The answer is {result}."}
 
 
-ENVIRONMENT = CalculatorEnv
+class CalculatorEnv(Env):
+    """Arithmetic with 2-3 operands up to 99 that the agent should hand to the `calculator` tool.
+
+    Stateless; the reward is the answer alone, `used_tool` and `valid_tool_calls` are logged with weight 0.
+    A class (not only make_env) so that tests can subclass it.
+    """
+
+    def __init__(self):
+        super().__init__(name="calculator", tools=[calculator], tasks=generate_tasks,
+                         rewards=[Reward(answer), Reward(used_tool, weight=0.0), Reward(valid_tool_calls, weight=0.0)],
+                         passed=1.0, solver=solve, task_from_messages=task_from_messages)
+
+
+def make_env() -> Env:
+    """The calculator environment (`environment: {name: calculator}`)."""
+    return CalculatorEnv()
+
+
+ENVIRONMENT = make_env

@@ -1,0 +1,518 @@
+"""The environment SDK: an environment is plain typed Python functions, a task source and a weighted rubric.
+
+    from flywheel.envs.sdk import Env, Reward, tasks_from_file, ToolError
+
+    def lookup_order(order_id: str, state: Db) -> str:
+        \"\"\"Look up an order by its id.
+
+        Args:
+            order_id: the order's id, e.g. "O-1001"
+        \"\"\"
+
+    def make_env() -> Env:                   # pipelines.yaml: environment: {factory: "envs.shop:make_env"}
+        return Env(name="shop", tools=[lookup_order], tasks=tasks_from_file("envs/shop/tasks.jsonl"),
+                   rewards=[Reward(correct_state, weight=0.7), Reward(answer_has_facts, weight=0.3)],
+                   setup=Db.fresh, teardown=Db.close)
+
+Tool schemas are generated from each function's signature and docstring, never written by hand. A parameter
+named `state` receives the episode's state (what `setup(task)` returned) and is not part of the schema. Tools
+run in the harness's tool threads, one call at a time per episode: a state that holds a SQLite connection
+opens it with `check_same_thread=False`. Async tools run on one event loop the environment owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import inspect
+import json
+import math
+import random
+import re
+import threading
+import types
+import typing
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+
+from flywheel.envs.base import RubricError, Score, Task, ToolError, prompt_hash
+
+__all__ = ["Env", "Reward", "Score", "Task", "ToolError", "SchemaError", "RubricError", "tasks_from_file",
+           "tool_schema", "TaskFile"]
+
+# Set while flywheel.envs resolves a factory: relative task files are read from the project root.
+PROJECT_ROOT: ContextVar[Path | None] = ContextVar("flywheel_project_root", default=None)
+
+COUNTERS = ("tool_calls", "tool_errors", "tool_refusals", "tool_bad_returns", "tool_timeouts", "bad_calls")
+
+
+class SchemaError(TypeError):
+    """A tool's schema cannot be derived from its signature (an untyped parameter, an unsupported type)."""
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One weighted part of the rubric: fn(task, messages, state) -> float in [0, 1], logged under `name`."""
+
+    fn: Callable
+    weight: float = 1.0
+    name: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The breakdown key: `name`, else the function's name."""
+        return self.name or getattr(self.fn, "__name__", type(self.fn).__name__)
+
+
+# --- schemas from signatures --------------------------------------------------------------------------------
+
+_SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
+
+
+def _json_schema(annotation, where: str) -> dict:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation in _SIMPLE:
+        return {"type": _SIMPLE[annotation]}
+    if origin in (typing.Union, types.UnionType):
+        present = [a for a in args if a is not type(None)]
+        if len(present) != 1:
+            raise SchemaError(f"{where}: a union of several types ({annotation}) has no tool schema; use one type "
+                              "or Optional[X]")
+        inner = _json_schema(present[0], where)
+        return {**inner, "type": [inner["type"], "null"]} if isinstance(inner.get("type"), str) else inner
+    if origin is typing.Literal:
+        kinds = {type(a) for a in args}
+        if len(kinds) != 1 or next(iter(kinds)) not in (str, int, float, bool):
+            raise SchemaError(f"{where}: Literal{list(args)} must list values of one type (str, int, float, bool)")
+        return {"type": _SIMPLE[next(iter(kinds))], "enum": list(args)}
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        values = [m.value for m in annotation]
+        return {**_json_schema(type(values[0]), where), "enum": values}
+    if origin is list:
+        return {"type": "array", "items": _json_schema(args[0], where)} if args else {"type": "array"}
+    if origin is dict:
+        return {"type": "object"}
+    raise SchemaError(f"{where}: type {annotation!r} has no tool schema (use str, int, float, bool, list[X], dict, "
+                      "Literal[...], an Enum or Optional[X])")
+
+
+def _docstring(fn: Callable) -> tuple[str, dict[str, str]]:
+    """The first line, and Google-style `Args:` descriptions by parameter name."""
+    doc = inspect.getdoc(fn) or ""
+    lines = doc.splitlines()
+    described: dict[str, str] = {}
+    in_args, current, indent = False, None, None
+    for line in lines[1:]:
+        if re.fullmatch(r"(Args|Arguments|Parameters):\s*", line):
+            in_args, current, indent = True, None, None
+            continue
+        if not in_args or not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        if depth == 0:  # the next section (Returns:, Raises:, ...)
+            in_args = False
+            continue
+        match = re.match(r"\s+(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)", line)
+        if match and (indent is None or depth <= indent):
+            current, indent = match.group(1), depth
+            described[current] = match.group(2).strip()
+        elif current:  # a description continued on the next line
+            described[current] = (described[current] + " " + line.strip()).strip()
+    return (lines[0].strip() if lines else ""), described
+
+
+def tool_schema(fn: Callable) -> dict:
+    """The OpenAI function schema of a typed Python function (its `state` parameter left out)."""
+    name = fn.__name__
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception as err:  # an annotation naming something undefined
+        raise SchemaError(f"tool '{name}': its type hints cannot be read: {err}") from None
+    description, described = _docstring(fn)
+    properties, required = {}, []
+    for param in inspect.signature(fn).parameters.values():
+        if param.name == "state":
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise SchemaError(f"tool '{name}': parameter '{param.name}' is *args/**kwargs; a tool takes named, "
+                              "typed parameters")
+        if param.name not in hints:
+            raise SchemaError(f"tool '{name}': parameter '{param.name}' has no type hint; the schema is derived "
+                              f"from type hints (e.g. `{param.name}: str`)")
+        prop = _json_schema(hints[param.name], f"tool '{name}', parameter '{param.name}'")
+        if param.name in described:
+            prop["description"] = described[param.name]
+        properties[param.name] = prop
+        if param.default is inspect.Parameter.empty:
+            required.append(param.name)
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties, "required": required}}}
+
+
+_ARTICLE = {"string": "a string", "integer": "an integer", "number": "a number", "boolean": "a boolean",
+            "array": "a list", "object": "an object", "null": "null"}
+
+
+def _fits(value, schema: dict) -> bool:
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds or []
+    if "enum" in schema and value not in schema["enum"] and value is not None:
+        return False
+    if not kinds:
+        return True
+    for kind in kinds:
+        if kind == "null" and value is None:
+            return True
+        if kind == "string" and isinstance(value, str):
+            return True
+        if kind == "integer" and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if kind == "number" and isinstance(value, int | float) and not isinstance(value, bool):
+            return True
+        if kind == "boolean" and isinstance(value, bool):
+            return True
+        if kind == "object" and isinstance(value, dict):
+            return True
+        if kind == "array" and isinstance(value, list):
+            items = schema.get("items")
+            return not items or all(_fits(v, items) for v in value)
+    return False
+
+
+def _describe(schema: dict) -> str:
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds or ["any"]
+    text = " or ".join(_ARTICLE.get(k, k) for k in kinds if k != "null")
+    if "enum" in schema:
+        text += " (one of " + ", ".join(json.dumps(v) for v in schema["enum"]) + ")"
+    return text
+
+
+def check_arguments(schema: dict, arguments: dict) -> None:
+    """Raise a ToolError the model can act on when `arguments` do not fit the function schema."""
+    name = schema["function"]["name"]
+    parameters = schema["function"].get("parameters") or {}
+    properties = parameters.get("properties") or {}
+    for key in parameters.get("required") or []:
+        if key not in arguments:
+            raise ToolError(f"{name} needs {_describe(properties.get(key, {}))} argument '{key}'")
+    for key, value in arguments.items():
+        if key not in properties:
+            if parameters.get("additionalProperties", False) is False:
+                raise ToolError(f"{name} has no argument '{key}' (arguments: {', '.join(properties) or 'none'})")
+            continue
+        if not _fits(value, properties[key]):
+            raise ToolError(f"{name} needs {_describe(properties[key])} argument '{key}', "
+                            f"not {json.dumps(value)[:60]}")
+
+
+@dataclass
+class _Tool:
+    fn: Callable
+    schema: dict
+    wants_state: bool
+    enums: dict[str, type]  # parameter -> its Enum class: the model's value becomes the member
+
+    @classmethod
+    def of(cls, fn: Callable) -> _Tool:
+        hints = typing.get_type_hints(fn) if not isinstance(fn, _Tool) else {}
+        parameters = inspect.signature(fn).parameters
+        enums = {p: h for p, h in hints.items()
+                 if p in parameters and isinstance(h, type) and issubclass(h, enum.Enum)}
+        return cls(fn, tool_schema(fn), "state" in parameters, enums)
+
+
+# --- tasks -----------------------------------------------------------------------------------------------------
+
+class TaskFile:
+    """Tasks read from a JSONL or Parquet file; called with a seed, yields them once in a seeded order."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        root = PROJECT_ROOT.get()
+        if not path.is_absolute() and root is not None and not path.exists():
+            path = root / path
+        self.path = path
+        self.tasks = _read_tasks(path)
+
+    def __call__(self, seed: int) -> Iterator[Task]:
+        order = list(range(len(self.tasks)))
+        random.Random(seed).shuffle(order)
+        return (self.tasks[i] for i in order)
+
+
+def tasks_from_file(path: str | Path) -> TaskFile:
+    """Tasks from a JSONL or Parquet file with `prompt` (text or messages), `answer` (any JSON), optional `slice`
+    and `id`; a relative path is read from the current folder, else from the project root."""
+    return TaskFile(path)
+
+
+def _read_tasks(path: Path) -> list[Task]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: task file not found")
+    if path.suffix == ".parquet":
+        import pandas as pd
+
+        records = pd.read_parquet(path).to_dict("records")
+    else:
+        records = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{number}: not valid JSON: {err}") from None
+    tasks, seen = [], {}
+    for number, record in enumerate(records, 1):
+        where = f"{path}: row {number}" + (f" (id {record['id']})" if record.get("id") is not None else "")
+        if not isinstance(record, dict) or "prompt" not in record or "answer" not in record:
+            raise ValueError(f"{where}: a task needs 'prompt' and 'answer'")
+        prompt = record["prompt"]
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        elif hasattr(prompt, "tolist"):  # Parquet gives arrays
+            prompt = [dict(m) for m in prompt.tolist()]
+        if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt)):
+            raise ValueError(f"{where}: 'prompt' must be a string or a list of messages with a 'role'")
+        answer = record["answer"]
+        if isinstance(answer, str) and path.suffix == ".parquet":
+            answer = json.loads(answer)  # Parquet holds nested answers as JSON text
+        task_id = prompt_hash(prompt)
+        if task_id in seen:
+            raise ValueError(f"{where}: the same prompt as row {seen[task_id]}: a prompt is a task's identity")
+        seen[task_id] = number
+        tasks.append(Task(task_id=task_id, env="", prompt=prompt, answer=json.dumps(answer, ensure_ascii=False),
+                          slice=str(record.get("slice") or "all")))
+    return tasks
+
+
+# --- the environment -------------------------------------------------------------------------------------------
+
+def _arity(fn: Callable) -> int:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 3
+    if any(p.kind == p.VAR_POSITIONAL for p in parameters):
+        return 3
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+
+
+class Env:
+    """An environment from typed tools, tasks (a file or a seeded generator) and weighted reward functions."""
+
+    def __init__(self, name: str, tools: Iterable[Callable], tasks: Callable[[int], Iterable[Task]],
+                 rewards: Iterable[Reward | Callable], passed: float | str = 1.0,
+                 setup: Callable[[Task], object] | None = None, teardown: Callable[[object], None] | None = None,
+                 solver: Callable | None = None, task_from_messages: Callable[[list[dict]], Task | None] | None = None,
+                 tool_sources: Iterable = ()):
+        self.name = name
+        self._tools = {}
+        for fn in tools:
+            tool = _Tool.of(fn)
+            if tool.schema["function"]["name"] in self._tools:
+                raise SchemaError(f"environment '{name}': two tools named '{tool.schema['function']['name']}'")
+            self._tools[tool.schema["function"]["name"]] = tool
+        self._tasks = tasks
+        self.rewards = [r if isinstance(r, Reward) else Reward(r) for r in rewards]
+        if not self.rewards or sum(r.weight for r in self.rewards) <= 0 or any(r.weight < 0 for r in self.rewards):
+            raise ValueError(f"environment '{name}': the rubric needs at least one reward, weights >= 0 and a "
+                             "positive total weight")
+        labels = [r.label for r in self.rewards]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"environment '{name}': two rewards named alike ({labels}); give one Reward(name=...)")
+        if isinstance(passed, str) and passed not in labels:
+            raise ValueError(f"environment '{name}': passed='{passed}' names no reward (rewards: {labels})")
+        self.passed = passed
+        self.setup, self.teardown, self.solver = setup, teardown, solver
+        self._task_from_messages = task_from_messages
+        self.tool_sources = list(tool_sources)
+        self._source_of: dict[str, object] | None = None  # tool name -> its source, listed on first use
+        self._origin: tuple | None = None  # (rebuild function, its args) from flywheel.envs: how pickles rebuild it
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # the loop, lock and any lambdas cannot cross a process boundary (RL actors): rebuild from the factory
+    def __reduce_ex__(self, protocol):
+        if self._origin is not None:
+            return self._origin
+        return super().__reduce_ex__(protocol)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_counts", "_lock", "_loop")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    # --- counters
+
+    def count(self, key: str, n: int = 1) -> None:
+        """Add n to a counter (thread-safe): tool errors, timeouts, bad returns, ... for the stage to log."""
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + n
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """This instance's counts so far, with those of its reward functions and tool sources (e.g. the judge)."""
+        with self._lock:
+            merged = dict(self._counts)
+        for part in [r.fn for r in self.rewards] + self.tool_sources:
+            for key, value in (getattr(part, "counters", None) or {}).items():
+                merged[key] = merged.get(key, 0) + value
+        return merged
+
+    # --- the Environment protocol
+
+    def tools(self) -> list[dict]:
+        """The function schemas: the Python tools' (generated), then each tool source's."""
+        return [t.schema for t in self._tools.values()] + [s for source in self._sources() for s in source.tools()]
+
+    def _sources(self) -> list:
+        if self._source_of is None and self.tool_sources:
+            found = {}
+            for source in self.tool_sources:
+                for schema in source.tools():
+                    found.setdefault(schema["function"]["name"], source)
+            self._source_of = found
+        return self.tool_sources
+
+    def generate_tasks(self, seed: int) -> Iterator[Task]:
+        """The task source's stream for `seed`, each task stamped with this environment's name."""
+        for task in self._tasks(seed):
+            yield task if task.env == self.name else dataclasses.replace(task, env=self.name)
+
+    def task_from_messages(self, messages: list[dict]) -> Task | None:
+        """The given function's answer; for file tasks, the task whose prompt opens the conversation."""
+        if self._task_from_messages is not None:
+            return self._task_from_messages(messages)
+        if not isinstance(self._tasks, TaskFile):
+            return None
+        if not hasattr(self, "_by_prompt"):
+            self._by_prompt = {t.task_id: dataclasses.replace(t, env=self.name) for t in self._tasks.tasks}
+        first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+        return None if first_user is None else self._by_prompt.get(prompt_hash(messages[:first_user + 1]))
+
+    def start(self, task: Task) -> object:
+        """The episode's own state: setup(task), or None without a setup."""
+        return self.setup(task) if self.setup else None
+
+    def finish(self, state: object) -> None:
+        """Tear the episode's state down (teardown(state))."""
+        if self.teardown and state is not None:
+            self.teardown(state)
+
+    def call_tool(self, name: str, arguments: dict, state: object = None) -> str:
+        """Check the arguments against the schema, run the tool in `state`; every failure is a ToolError."""
+        return self._call(name, arguments, state, counted=True)
+
+    def _call(self, name: str, arguments: dict, state: object, counted: bool) -> str:
+        count = self.count if counted else (lambda key, n=1: None)
+        count("tool_calls")
+        self._sources()
+        tool = self._tools.get(name)
+        source = (self._source_of or {}).get(name)
+        if tool is None and source is None:
+            names = list(self._tools) + list(self._source_of or {})
+            count("bad_calls")
+            if len(names) == 1:
+                raise ToolError(f"unknown tool '{name}'; the only tool is '{names[0]}'")
+            raise ToolError(f"unknown tool '{name}'; the tools are {', '.join(repr(n) for n in names)}")
+        if not isinstance(arguments, dict):
+            count("bad_calls")
+            raise ToolError("arguments must be a JSON object")
+        try:
+            if tool is not None:
+                check_arguments(tool.schema, arguments)
+        except ToolError:
+            count("bad_calls")
+            raise
+        try:
+            if tool is None:
+                result = source.call_tool(name, arguments, state)
+            else:
+                kwargs = {k: tool.enums[k](v) if k in tool.enums else v for k, v in arguments.items()}
+                if tool.wants_state:
+                    kwargs["state"] = state
+                result = tool.fn(**kwargs)
+            if inspect.isawaitable(result):
+                result = asyncio.run_coroutine_threadsafe(_awaited(result), self._event_loop()).result()
+        except ToolError:
+            count("tool_refusals")
+            raise
+        except Exception as err:  # a tool's bug is the model's error message and a count, never a crash
+            count("tool_errors")
+            raise ToolError(f"tool '{name}' failed: {type(err).__name__}: {err}") from None
+        if not isinstance(result, str):
+            count("tool_bad_returns")
+            raise ToolError(f"tool '{name}' returned {type(result).__name__}, not a string")
+        return result
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name=f"{self.name}-tools", daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+    def score(self, task: Task, messages: list[dict], state: object = None) -> Score:
+        """The weighted rubric; state None with a setup: replay the conversation's tool calls in a fresh state."""
+        if state is None and self.setup is not None:
+            state = self.start(task)
+            try:
+                self._replay(messages, state)
+                return self._rubric(task, messages, state)
+            finally:
+                self.finish(state)
+        return self._rubric(task, messages, state)
+
+    def _replay(self, messages: list[dict], state: object) -> None:
+        for message in messages:
+            if message.get("role") != "assistant":
+                continue
+            for call in message.get("tool_calls") or []:
+                fn = call.get("function") or {}
+                try:
+                    arguments = json.loads(fn.get("arguments") or "{}")
+                    self._call(fn.get("name", ""), arguments, state, counted=False)
+                except (json.JSONDecodeError, ToolError):
+                    continue  # the recorded result said so too; the rubric judges what the state became
+
+    def _rubric(self, task: Task, messages: list[dict], state: object) -> Score:
+        breakdown = {}
+        for reward in self.rewards:
+            args = (task, messages, state) if _arity(reward.fn) >= 3 else (task, messages)
+            value = reward.fn(*args)
+            if isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, int | float) or math.isnan(value) or not 0.0 <= value <= 1.0:
+                raise RubricError(f"environment '{self.name}': reward '{reward.label}' returned {value!r} for task "
+                                  f"{task.task_id}; a reward must be a number in [0, 1]")
+            breakdown[reward.label] = float(value)
+        total = sum(r.weight for r in self.rewards)
+        reward = min(1.0, sum(r.weight * breakdown[r.label] for r in self.rewards) / total)
+        if isinstance(self.passed, str):
+            passed = breakdown[self.passed] >= 1.0
+        else:
+            passed = reward >= self.passed - 1e-9  # weights like 0.7 + 0.3 may sum to 0.999...
+        return Score(reward=reward, passed=passed, breakdown=breakdown)
+
+    def solve(self, messages: list[dict], state: object = None) -> dict:
+        """The scripted solver's next assistant message; NotImplementedError when the environment has none."""
+        if self.solver is None:
+            raise NotImplementedError(f"environment '{self.name}' has no scripted solver (Env(solver=...)), so the "
+                                      "oracle teacher cannot run in it; use a model teacher (teacher.policy)")
+        return self.solver(messages, state) if _arity(self.solver) >= 2 else self.solver(messages)
+
+
+async def _awaited(awaitable):
+    return await awaitable
