@@ -7,6 +7,7 @@ good the answer reads.
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 
@@ -16,8 +17,13 @@ from flywheel.envs.support.solver import _text
 from flywheel.envs.support.tools import BY_NAME, WRITES
 
 
-def expected_snapshot(answer: dict) -> dict[str, list[tuple]]:
-    """The database as it must end: the seed's, with exactly the task's writes applied by the tools themselves."""
+@functools.lru_cache(maxsize=4096)
+def expected_snapshot(answer_json: str) -> dict[str, list[tuple]]:
+    """The database as it must end: the seed's, with exactly the task's writes applied by the tools themselves.
+
+    Cached by the task's answer text: every sample of a task (RL groups, the reward's parts) expects the same.
+    """
+    answer = json.loads(answer_json)
     conn = database.fresh(answer["db_seed"])
     try:
         for name, arguments in answer["writes"]:
@@ -50,7 +56,7 @@ def _calls(messages: list[dict]) -> list[tuple[str, dict]]:
 
 def db_matches(task: Task, messages: list[dict], state: sqlite3.Connection) -> float:
     """1 when the episode's final database equals the expected one (no wrong, missing or extra write)."""
-    return float(database.snapshot(state) == expected_snapshot(json.loads(task.answer)))
+    return float(database.snapshot(state) == expected_snapshot(task.answer))
 
 
 def policy_kept(task: Task, messages: list[dict], state: sqlite3.Connection) -> float:
