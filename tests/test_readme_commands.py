@@ -81,6 +81,7 @@ GPU_ONLY = {"gpu_check.py": "its full form exits 1 without a CUDA GPU"}
 FIGURES = {
     "collect.py": {"records", "megabytes", "json_loads_records_per_s", "collect_stage_records_per_s",
                    "collect_stage_s", "ratio_json_loads_to_stage", "incremental_rerun_s"},
+    "envs.py": {"harness_episodes_per_s", "bare_episodes_per_s", "ratio"},
     "synthesis.py": {"concurrency", "samples_per_s_concurrent", "samples_per_s_sequential", "ratio", "ideal_ratio"},
     "sft.py": {"steps", "batch_size", "stage_tokens_per_s", "bare_trl_tokens_per_s", "ratio"},
     "rl_async.py": {"sync_wall_s", "async_wall_s", "sync_generate_s", "sync_train_s", "sync_learner_idle_fraction",
