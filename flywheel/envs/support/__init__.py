@@ -1,0 +1,59 @@
+"""The support desk: a stateful customer-service environment in the style of tau-bench's retail domain.
+
+A seeded SQLite database of users, orders, refunds and tickets (db.py); seven typed tools over each episode's
+own copy of it (tools.py); requests with the policy as the system prompt, and what the policy makes of each
+(tasks.py); a rubric that compares the final database with the expected one, checks the policy and the
+answer's facts (rubric.py); a scripted oracle that follows the policy step by step (solver.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sqlite3
+
+from flywheel.envs.base import Task
+from flywheel.envs.sdk import Env, Reward
+from flywheel.envs.support import db as database
+from flywheel.envs.support.rubric import db_matches, facts_stated, policy_kept, resolved
+from flywheel.envs.support.solver import _text, solve
+from flywheel.envs.support.tasks import generate, task_from_text
+from flywheel.envs.support.tools import TOOLS
+
+NAME = "support"
+
+
+def open_episode(task: Task) -> sqlite3.Connection:
+    """The episode's own in-memory copy of the database its task was posed against."""
+    return database.fresh(json.loads(task.answer)["db_seed"])
+
+
+def close_episode(state: sqlite3.Connection) -> None:
+    """Drop the episode's database."""
+    state.close()
+
+
+def task_from_messages(messages: list[dict], db_seed: int = 0) -> Task | None:
+    """The task behind a recorded support conversation: its first user message, read as a generated one is."""
+    first = next((_text(m.get("content")) for m in messages if m.get("role") == "user"), None)
+    return task_from_text(first, db_seed, NAME) if first else None
+
+
+def make_env(db_seed: int = 0) -> Env:
+    """The support desk over the database of `db_seed` (tasks, tools, rubric and oracle all read that one)."""
+    return Env(
+        name=NAME,
+        tools=TOOLS,
+        tasks=functools.partial(generate, db_seed=db_seed, env=NAME),
+        # the reward is `resolved` alone; the parts are logged beside it (weight 0) to show what went wrong
+        rewards=[Reward(resolved, weight=1.0), Reward(db_matches, weight=0.0), Reward(policy_kept, weight=0.0),
+                 Reward(facts_stated, weight=0.0)],
+        passed=1.0,
+        setup=open_episode,
+        teardown=close_episode,
+        solver=solve,
+        task_from_messages=functools.partial(task_from_messages, db_seed=db_seed),
+    )
+
+
+ENVIRONMENT = make_env

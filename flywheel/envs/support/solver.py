@@ -1,0 +1,96 @@
+"""The desk's scripted oracle: the policy followed step by step from what the conversation shows.
+
+It reads the request from the first user message and each tool result as a model would, and decides with the
+same `decide` the tasks' answers come from. The episode's database is only a fallback: when a tool call failed
+(a timeout on a loaded machine), the oracle reads the order from the state instead of giving up.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from flywheel.envs.support.db import money
+from flywheel.envs.support.tasks import decide, parse_request
+
+
+def _text(content: object) -> str:
+    if isinstance(content, list):  # OpenAI content parts
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _call(name: str, **arguments) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function",
+         "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+
+
+def _say(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def tool_results(messages: list[dict]) -> dict[str, str]:
+    """The latest result of each tool called so far, by tool name.
+
+    Results are paired with calls by id, else by position (recorded traces reuse or drop ids).
+    """
+    results: dict[str, str] = {}
+    waiting: list[dict] = []
+    for m in messages:
+        if m.get("role") == "assistant":
+            waiting = list(m.get("tool_calls") or [])
+        elif m.get("role") == "tool" and waiting:
+            call = next((c for c in waiting if c.get("id") and c.get("id") == m.get("tool_call_id")), waiting[0])
+            waiting.remove(call)
+            results[call.get("function", {}).get("name", "")] = _text(m.get("content"))
+    return results
+
+
+def _parsed(result: str | None) -> dict | None:
+    try:
+        value = json.loads(result) if result else None
+    except json.JSONDecodeError:
+        return None  # "Error: ..." from the harness or the tool
+    return value if isinstance(value, dict) else None
+
+
+def _order_in_state(state: sqlite3.Connection | None, order_id: str) -> dict | None:
+    if state is None:
+        return None
+    row = state.execute("SELECT order_id, user_id, status, total_cents, shipping, payment FROM orders "
+                        "WHERE order_id = ?", (order_id,)).fetchone()
+    if row is None:
+        return None
+    return {"status": row[2], "total": money(row[3]), "shipping": row[4], "payment": row[5]}
+
+
+def solve(messages: list[dict], state: sqlite3.Connection | None = None) -> dict:
+    """The oracle's next assistant message: find_user, list_orders, get_order, the write if any, the reply."""
+    first = next((_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
+    request = parse_request(first)
+    if request is None:
+        return _say("Please give me your email and the order id, and say what you need.")
+    results = tool_results(messages)
+    if "find_user" not in results:
+        return _call("find_user", email=request.email)
+    user = _parsed(results["find_user"])
+    if user is None:
+        return _say(f"I could not find a user with the email {request.email}.")
+    if "list_orders" not in results:
+        return _call("list_orders", user_id=user["user_id"])
+    listed = _parsed(results["list_orders"])
+    owned = listed is not None and request.order_id in listed.get("orders", [])
+    if not owned:
+        return _say(decide(request, False, None)["reply"])
+    if "get_order" not in results:
+        return _call("get_order", order_id=request.order_id)
+    order = _parsed(results["get_order"]) or _order_in_state(state, request.order_id)
+    if order is None:
+        return _say(f"I could not look up order {request.order_id}; please try again later.")
+    decision = decide(request, True, order)
+    pending = [(name, args) for name, args in decision["writes"] if name not in results]
+    if pending:
+        name, arguments = pending[0]
+        return _call(name, **arguments)
+    return _say(decision["reply"])
