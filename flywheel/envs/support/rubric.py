@@ -12,7 +12,7 @@ import json
 import sqlite3
 
 from flywheel.envs.base import Task
-from flywheel.envs.support import db as database
+import flywheel.envs.support.db as database
 from flywheel.envs.support.solver import _text
 from flywheel.envs.support.tools import BY_NAME, WRITES
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from flywheel.envs.base import Task, prompt_hash
-from flywheel.envs.support import db as database
+import flywheel.envs.support.db as database
 
 # Terse on purpose: every training conversation of the tiny demo student carries it (tokens cost CPU time).
 POLICY = ("ShopCo support policy: find_user by email, then list_orders; an order not in the list is not one of "
