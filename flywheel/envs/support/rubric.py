@@ -11,8 +11,8 @@ import functools
 import json
 import sqlite3
 
-from flywheel.envs.base import Task
 import flywheel.envs.support.db as database
+from flywheel.envs.base import Task
 from flywheel.envs.support.solver import _text
 from flywheel.envs.support.tools import BY_NAME, WRITES
 
