@@ -145,10 +145,10 @@ def main() -> None:
     grown = collect.fn(pipeline=args.pipeline, root=str(root))
     grown_s = time.perf_counter() - started
     print(f"incremental run with {len(later)} new records (1%): {grown_s:.2f}s, "
-          f"{grown['metrics']['traces_new']} new traces", flush=True)
+          f"{grown.metrics['traces_new']} new traces", flush=True)
     incremental = _outputs(root)
     full = collect.fn(pipeline=args.pipeline, root=str(root), full=True)
-    identical = _outputs(root) == incremental and full["metrics"]["traces"] == grown["metrics"]["traces"]
+    identical = _outputs(root) == incremental and full.metrics["traces"] == grown.metrics["traces"]
     print(f"full re-collect of the same records writes the same bytes: {identical}", flush=True)
     print(json.dumps({"benchmark": "collect", "records": args.records, "megabytes": round(size / 1e6, 1),
                       "json_loads_records_per_s": round(args.records / bare_s),

@@ -111,7 +111,7 @@ def test_deployed_retrain_on_servers_with_s3(project, prefect_api, mlflow_server
 
     keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
             for o in page.get("Contents", [])]
-    assert any(k.startswith("mlflow/") and k.endswith("model/model.safetensors") for k in keys), keys[:20]
+    assert any(k.startswith("mlflow/") and k.endswith("/model.safetensors") for k in keys), keys[:20]
     assert any(k.startswith("dvc/files/md5/") for k in keys)
     assert any(k.startswith("prefect-results/") for k in keys), "the stage caches live in S3"
 
