@@ -62,6 +62,8 @@ NOT_RUN = {
                 "variables for its loopback servers",
     r"git (add|commit|clone|worktree)( |$)": "changes or clones the user's own repository",
     r"rm ": "deletes a file of the user's project state",
+    r"pip install ": "changes the user's environment; `make` installs the same pins (the dev extra holds every "
+                     "optional one that runs here)",
     r"bash \.ci/run": "CI itself: builds a venv and runs this whole suite (it would run this test again)",
 }
 # Run for real in this checkout (cheap; MLflow and Prefect state in temporary folders).
