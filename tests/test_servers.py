@@ -135,9 +135,13 @@ def test_deployed_retrain_on_servers_with_s3(project, prefect_api, mlflow_server
     import mlflow.artifacts
     from transformers import AutoModelForCausalLM
 
+    from flywheel.registry import checkpoint_in
+
+    # the champion is an MLflow model (MLmodel + the checkpoint under its artifacts), all of it from S3
     model_dir = mlflow.artifacts.download_artifacts(artifact_uri="models:/small@champion",
                                                     dst_path=str(tmp_path / "champion"))
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert (Path(model_dir) / "MLmodel").exists()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_in(Path(model_dir)))
     assert model.num_parameters() > 0
 
 
