@@ -49,6 +49,9 @@ class TinyModelConfig(Section):
     heads: int = Field(4, ge=1)
     vocab_size: int = Field(512, ge=300)
     max_position_embeddings: int = Field(512, ge=64)
+    # Spaces as tokens of their own, so a word is the same token after a space as after a quote: a name copied
+    # from "Hi, I'm ana.lee@..." into {"email": "ana.lee@..."} is then a copy, not a learned per-name mapping.
+    isolate_spaces: bool = False
     seed: int = 0
 
     @model_validator(mode="after")

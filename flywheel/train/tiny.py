@@ -82,8 +82,11 @@ def environment_corpus(env: Environment, n: int = 2000, seed: int = 0) -> list[s
     return [render_conversation(e.messages, tools) for e in episodes]
 
 
-def train_tokenizer(corpus: list[str], vocab_size: int):
-    """A byte-level BPE tokenizer with every digit its own token and the chat markers as single tokens."""
+def train_tokenizer(corpus: list[str], vocab_size: int, isolate_spaces: bool = False):
+    """A byte-level BPE tokenizer with every digit its own token and the chat markers as single tokens.
+
+    isolate_spaces: every space its own token, so no word token carries a leading space.
+    """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -94,6 +97,7 @@ def train_tokenizer(corpus: list[str], vocab_size: int):
     # into the answer a lookup of rare multi-digit tokens instead of a digit-by-digit copy.
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
+        *([pre_tokenizers.Split(" ", behavior="isolated")] if isolate_spaces else []),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     tokenizer.decoder = decoders.ByteLevel()
@@ -115,7 +119,7 @@ def build_tiny_student(corpus: list[str], cfg: TinyModelConfig, out_dir: Path) -
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = train_tokenizer(corpus, cfg.vocab_size)
+    tokenizer = train_tokenizer(corpus, cfg.vocab_size, cfg.isolate_spaces)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=4 * cfg.hidden_size,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
