@@ -30,7 +30,7 @@ def _tool(name: str, description: str, **params: str) -> dict:
 
 
 TOOLS = [
-    _tool("find_customer", "Find a customer by email.", email="string"),
+    _tool("find_customer", "Find a customer by member number.", member_number="string"),
     _tool("list_accounts", "List a customer's accounts.", customer_id="string"),
     _tool("get_balance", "The balance of an account.", account_id="string"),
     _tool("search_transactions", "Search an account's transactions by merchant.", account_id="string",
@@ -65,17 +65,17 @@ class Agent:
 def conversation(rng: random.Random, number: int, wrong: bool = False) -> list[dict]:
     """One conversation; `wrong`: the transfer moves another amount than asked (a rejected trace)."""
     name = NAMES[number % len(NAMES)]
-    email = f"{name}{number}@example.org"
+    member = f"{10000 + number}"  # not an email: collect would redact it, and every prompt would read alike
     customer = f"C-{100 + number}"
     checking, savings = f"ACC-{1000 + 2 * number}", f"ACC-{1001 + 2 * number}"
     balances = {checking: round(rng.uniform(200, 3000), 2), savings: round(rng.uniform(100, 9000), 2)}
     accounts = [{"account_id": checking, "type": "checking"}, {"account_id": savings, "type": "savings"}]
     kind = ["transfer", "dispute", "balance"][number % 3]
-    find = ("find_customer", {"email": email}, {"customer_id": customer, "name": name.title()})
+    find = ("find_customer", {"member_number": member}, {"customer_id": customer, "name": name.title()})
     listing = ("list_accounts", {"customer_id": customer}, accounts)
     if kind == "transfer":
         amount = float(rng.randint(2, 40) * 5)
-        agent = Agent(rng, f"Hi, I'm {email}. Please move {amount:.2f} EUR from my checking to my savings account.")
+        agent = Agent(rng, f"Hi, I'm {name.title()}, member {member}. Please move {amount:.2f} EUR from my checking to my savings account.")
         agent.turn(find)
         agent.turn(listing)
         moved = amount + 10 if wrong else amount
@@ -87,7 +87,7 @@ def conversation(rng: random.Random, number: int, wrong: bool = False) -> list[d
                   f"balance is now {after:,.2f} EUR.")
     elif kind == "dispute":
         merchant = rng.choice(MERCHANTS)
-        agent = Agent(rng, f"Hello, {email} here. I don't recognise a payment to {merchant}.")
+        agent = Agent(rng, f"Hello, member {member} here. I don't recognise a payment to {merchant}.")
         agent.turn(find)
         agent.turn(listing)
         tx, amount, day = f"TX-{50000 + number}", round(rng.uniform(5, 90), 2), f"2026-11-{1 + number % 28:02d}"
@@ -100,7 +100,7 @@ def conversation(rng: random.Random, number: int, wrong: bool = False) -> list[d
         agent.say(f"I found {tx} on {day}: {amount:.2f} EUR to {merchant} from {checking}. I opened dispute "
                   f"ticket {ticket}.")
     else:
-        agent = Agent(rng, f"Hi, this is {email}. What are my balances?")
+        agent = Agent(rng, f"Hi, this is {name.title()} (member {member}). What are my balances?")
         agent.turn(find)
         agent.turn(listing)
         agent.turn(*[("get_balance", {"account_id": a}, {"account_id": a, "balance": balances[a], "currency": "EUR"})
