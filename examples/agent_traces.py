@@ -75,7 +75,8 @@ def conversation(rng: random.Random, number: int, wrong: bool = False) -> list[d
     listing = ("list_accounts", {"customer_id": customer}, accounts)
     if kind == "transfer":
         amount = float(rng.randint(2, 40) * 5)
-        agent = Agent(rng, f"Hi, I'm {name.title()}, member {member}. Please move {amount:.2f} EUR from my checking to my savings account.")
+        agent = Agent(rng, f"Hi, I'm {name.title()}, member {member}. Please move {amount:.2f} EUR from my "
+                           "checking to my savings account.")
         agent.turn(find)
         agent.turn(listing)
         moved = amount + 10 if wrong else amount

@@ -280,9 +280,9 @@ def test_sft_rl_and_evaluate_run_on_replay_tasks_with_no_user_code(tmp_path, mlf
     from openai_server import OracleServer, TraceReplayer
 
     from flows.retrain import retrain
-    from flywheel.data.traces import normalise_messages
-    from flywheel.data.redaction import Redactor
     from flywheel.config import RedactionConfig
+    from flywheel.data.redaction import Redactor
+    from flywheel.data.traces import normalise_messages
     from tasks.spec import dvc_yaml
 
     root = make_project(tmp_path / "project", tmp_path / "dvc-remote")
@@ -306,3 +306,39 @@ def test_sft_rl_and_evaluate_run_on_replay_tasks_with_no_user_code(tmp_path, mlf
     gate = json.loads((root / "data/bank/evaluate/gate.json").read_text())
     assert "replay/bank" in {row["slice"] for row in gate["slice_scores"]}
     assert len(catalog.read("rollouts")) > 0
+
+
+def test_beside_another_environment_its_verifiable_traces_stay_its_own(tmp_path, mlflow_store):
+    import pickle
+    import shutil
+
+    from flywheel.data.tasksets import row_task
+    from tasks.collect import collect
+
+    config = pipeline(name="calculator", train_tasks=20, heldout_tasks=4, replay={})
+    config["collect"]["sources"].append({"name": "calc", "path": ["traces/calc/*.jsonl"]})
+    write_project(tmp_path, config)
+    shutil.copytree(REPO / "examples" / "traces", tmp_path / "traces" / "calc")
+    result = collect.fn(pipeline="bank", root=str(tmp_path))
+    tasks = Catalog(tmp_path, "bank").read("tasks")
+    by_env = tasks.groupby(["env", "origin"]).size().to_dict()
+    assert by_env[("calculator", "generated")] == 24 and by_env[("calculator", "trace")] > 0
+    assert by_env[("replay", "trace")] == result.metrics["tasks_from_traces"] - by_env[("calculator", "trace")]
+    assert not tasks[tasks["env"] == "replay"]["slice"].str.startswith("replay/calc").any(), \
+        "the calculator verifies its own traces"
+
+    cfg = load_pipeline("bank", tmp_path / "pipelines.yaml")
+    env = load_environment(cfg.environment, tmp_path, "bank")
+    assert env.name == "calculator+replay"
+    names = [s["function"]["name"] for s in env.tools()]
+    assert names[0] == "calculator" and {"transfer_funds", "find_customer"} <= set(names)
+    task = row_task(next(r for r in tasks.to_dict("records") if r["env"] == "calculator"))
+    state = env.start(task)
+    assert env.call_tool("calculator", {"expression": "2 + 3"}, state) == "5"
+    assert env.score(task, task.prompt + [{"role": "assistant", "content": "no idea"}], state).reward == 0.0
+    # RL actor processes get the environment pickled: the copy serves the same record
+    copy_ = pickle.loads(pickle.dumps(env))
+    replayed, _ = _episode(copy_)
+    name, arguments, result_ = replayed.data["calls"][0]
+    assert copy_.call_tool(name, arguments, copy_.start(replayed)) == result_
+    assert copy_.counters["replay_served"] == 1
