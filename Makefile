@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/collect.py
 	$(BIN)/python benchmarks/synthesis.py
 	$(BIN)/python benchmarks/envs.py
+	$(BIN)/python benchmarks/replay.py
 	$(BIN)/python benchmarks/sft.py
 	$(BIN)/python benchmarks/rl_async.py
 	$(BIN)/python benchmarks/demo_student.py

@@ -22,12 +22,52 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ReplayJudgeConfig(Section):
+    """An LLM judge comparing the model's final answer with the accepted one (flywheel/envs/judge.py)."""
+
+    model: str  # the served model name
+    base_url: str | None = None  # unset: the client's default (OPENAI_BASE_URL or OpenAI's)
+    api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")  # the variable's NAME, never the key
+    weight: float = Field(0.2, gt=0)
+    cache: str | None = ".flywheel/judge-cache.sqlite"  # under the project root; null: none
+
+
+class ReplayConfig(Section):
+    """How recorded traces become tasks: tools served from the record, a rubric from the accepted outcome."""
+
+    # Tool names that only read (case-insensitive regex, matched at the start); every other recorded call is a
+    # write the rubric requires, with matching arguments, none missing and none extra.
+    reads: str = "get|list|search|find|lookup|read"
+    # Free text (string arguments of two words or more) matches when the word overlap (Jaccard) reaches this;
+    # 1.0: normalised text must be equal. Ids, numbers and one-word strings always match exactly (normalised).
+    fuzzy: float = Field(0.8, gt=0, le=1)
+    writes_weight: float = Field(0.5, ge=0)
+    facts_weight: float = Field(0.5, ge=0)
+    judge: ReplayJudgeConfig | None = None  # none: the rubric is deterministic
+    # Rejected traces are never targets; "eval": each becomes a held-out task whose rubric is inverted (1 when
+    # the model does not repeat what was rejected), in its own slice.
+    rejected: Literal["drop", "eval"] = "drop"
+
+    @model_validator(mode="after")
+    def _usable(self) -> ReplayConfig:
+        try:
+            re.compile(self.reads)
+        except re.error as err:
+            raise ValueError(f"reads {self.reads!r} is not a valid regex: {err}") from None
+        if self.writes_weight + self.facts_weight + (self.judge.weight if self.judge else 0) <= 0:
+            raise ValueError("the replay rubric needs a positive total weight (writes_weight, facts_weight, judge)")
+        return self
+
+
 class EnvironmentConfig(Section):
     # A built-in (`calculator`, or an installed package's `flywheel.environments` entry point) by name, or any
     # factory "package.module:function" (importable from the project root) called with `args`. Not both.
     name: str | None = None
     factory: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
     args: dict[str, Any] = {}
+    # `name: replay` alone: every accepted trace is a task served from its record. Beside another environment:
+    # the traces it can verify go to it, the rest to replay. The options apply to both (flywheel/envs/replay).
+    replay: ReplayConfig | None = None
     train_tasks: int = Field(3000, ge=1)
     heldout_tasks: int = Field(200, ge=1)
     seed: int = 0
@@ -40,6 +80,11 @@ class EnvironmentConfig(Section):
             raise ValueError(f"set either 'name' ({self.name}) or 'factory' ({self.factory}), not both")
         if not self.name and not self.factory:
             object.__setattr__(self, "name", "calculator")  # the demo's environment when neither is given
+        if self.name == "replay":
+            if self.args:
+                raise ValueError("replay takes no args: its options go under environment.replay")
+            if self.replay is None:
+                object.__setattr__(self, "replay", ReplayConfig())
         return self
 
 
@@ -403,6 +448,13 @@ class PipelineConfig(Section):
     gate: GateConfig
     schedule: ScheduleConfig | None = None  # none: no scheduled retrain (a trigger or a manual run still can)
     trigger: TriggerConfig | None = None  # none: no sensor watching the trace sources
+
+    @model_validator(mode="after")
+    def _teacher_can_teach(self) -> PipelineConfig:
+        if self.environment.replay is not None and self.teacher.policy == "oracle":
+            raise ValueError("teacher.policy: the oracle cannot teach replay tasks (a recorded trace has no "
+                             "scripted solver); use `policy: openai` (any OpenAI-compatible endpoint)")
+        return self
 
     def section_hash(self, *names: str) -> str:
         """A stable hash of the named sections, for cache keys and lineage tags."""

@@ -60,7 +60,7 @@ class StageContext:
     @cached_property
     def env(self) -> Environment:
         """The pipeline's environment (a built-in or a factory's), built on first use (not every stage needs one)."""
-        return load_environment(self.cfg.environment, self.root)
+        return load_environment(self.cfg.environment, self.root, self.pipeline)
 
     def done(self, metrics: dict, **fields) -> StageResult:
         """Log the environment's counters, tag the run with each output's content hash (`flywheel.out.<path>`);

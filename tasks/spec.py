@@ -61,7 +61,8 @@ STAGES: dict[str, StageSpec] = {s.name: s for s in [
                            "models/{p}/sft", "models/{p}/rl"), ("environment", "evaluate", "gate"),
               ("tasks/evaluate.py", *_KERNEL, "tasks/reports.py", "flywheel/data", "flywheel/evaluate",
                "flywheel/train", *_EPISODES), ("data/{p}/evaluate",)),
-    StageSpec("register", ("models/{p}/rl", "data/{p}/evaluate"), ("gate",),
+    # collect: the input example is one of the tasks (a replay environment's come from the collected traces)
+    StageSpec("register", ("data/{p}/collect", "models/{p}/rl", "data/{p}/evaluate"), ("gate",),
               ("tasks/register.py", *_KERNEL, "flywheel/registry.py", "flywheel/promotion.py", "flywheel/evaluate",
                "flywheel/serving/chat.py", "flywheel/serving/mlflow_model.py", "flywheel/policies/toolcalls.py"),
               ("data/{p}/register",)),

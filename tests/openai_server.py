@@ -64,6 +64,8 @@ class OracleServer:
         self.hang_after: int | None = None
         # judge mode: when set, every answer is judge(messages) as plain text (an LLM judge's verdict)
         self.judge = None
+        # replay mode: when set (a TraceReplayer), every answer is the recorded conversation's next assistant turn
+        self.replay = None
         self.received: list[dict] = []  # every request body, in arrival order
         self.answered: Counter[str] = Counter()  # body hash -> how many times it got a 200 answer
         self.seen_faults: Counter[str] = Counter()
@@ -177,8 +179,12 @@ class OracleServer:
 
     def _answer(self, body: dict, number: int, malformed: bool) -> dict:
         judge = self.judge
-        message = ({"role": "assistant", "content": judge(body["messages"])} if judge
-                   else self.env.solve(body["messages"]))
+        if judge:
+            message = {"role": "assistant", "content": judge(body["messages"])}
+        elif self.replay is not None:
+            message = self.replay(body["messages"])
+        else:
+            message = self.env.solve(body["messages"])
         calls = message.get("tool_calls") or []
         if malformed and calls:
             calls = [{**calls[0], "function": {**calls[0]["function"], "arguments": '{"expression": "1 +'}}]
@@ -200,6 +206,34 @@ class OracleServer:
                              "finish_reason": "tool_calls" if calls and self.mode == "tools" else "stop"}],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
+
+
+class TraceReplayer:
+    """A teacher that answers by replaying recorded conversations: the one whose prompt (up to its first user
+    message) opens the request gives its next assistant turn, counted by the assistant turns already there."""
+
+    def __init__(self, conversations: list[list[dict]]):
+        self.by_prompt: dict[str, list[dict]] = {}
+        for messages in conversations:
+            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            self.by_prompt.setdefault(self._key(messages[:first_user + 1]), [
+                m for m in messages[first_user + 1:] if m["role"] == "assistant"])
+
+    @staticmethod
+    def _key(prompt: list[dict]) -> str:
+        return json.dumps([[m["role"], m.get("content") or ""] for m in prompt])
+
+    def __call__(self, messages: list[dict]) -> dict:
+        first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        turns = self.by_prompt.get(self._key(messages[:first_user + 1]))
+        if turns is None:
+            return {"role": "assistant", "content": "I have no record of this conversation."}
+        done = sum(m["role"] == "assistant" for m in messages[first_user + 1:])
+        if done >= len(turns):
+            return {"role": "assistant", "content": "That is all."}
+        turn = turns[done]
+        return {"role": "assistant", "content": turn.get("content") or "",
+                **({"tool_calls": turn["tool_calls"]} if turn.get("tool_calls") else {})}
 
 
 def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:

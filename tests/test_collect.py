@@ -71,6 +71,15 @@ MALFORMED = [
     (_chat(USER, _calls({"type": "function", "function": {"name": "calculator"}})), "bad_tool_call"),
     (_chat(USER, _calls({"id": "c9", "function": {"arguments": "{}"}})), "bad_tool_call"),
     (_chat(USER, _calls(CALL, CALL)), "bad_tool_call"),
+    # a target with such a call would teach the model to emit it (and replay could not serve it)
+    (_chat(USER, _calls({"id": "c1", "function": {"name": "", "arguments": "{}"}}), _result("c1"),
+           {"role": "assistant", "content": "5"}), "empty_tool_name"),
+    (_chat(USER, _calls({"id": "c1", "function": {"name": "calculator", "arguments": "[1, 2]"}}), _result("c1"),
+           {"role": "assistant", "content": "5"}), "tool_arguments_not_object"),
+    (_chat(USER, _calls({"id": "c1", "function": {"name": "calculator", "arguments": '{"expression": "2+'}}),
+           _result("c1"), {"role": "assistant", "content": "5"}), "tool_arguments_not_object"),
+    (_chat(USER, _calls({"id": "c1", "function": {"name": "calculator", "arguments": ["2+3"]}}), _result("c1"),
+           {"role": "assistant", "content": "5"}), "tool_arguments_not_object"),
     (_chat(USER, {"role": "assistant", "content": "x" * 3000}), "oversize"),
     ({"event": "login", "user": "u1"}, "unknown_shape"),
     ({"request": {"messages": [USER]}, "response": {"error": "rate limited"}}, "no_response"),
@@ -95,7 +104,8 @@ def test_the_corpus_has_every_kind():
     assert len(MALFORMED) >= 30
     kinds = {kind for _, kind in MALFORMED}
     assert kinds >= {"invalid_json", "not_utf8", "wrong_type", "empty", "unknown_role", "unanswered_tool_call",
-                     "orphan_tool_result", "oversize", "bad_outcome", "schema"}
+                     "orphan_tool_result", "oversize", "bad_outcome", "schema", "empty_tool_name",
+                     "tool_arguments_not_object"}
 
 
 @pytest.mark.parametrize("record, kind", MALFORMED, ids=[f"{i}-{k}" for i, (_, k) in enumerate(MALFORMED)])
@@ -200,6 +210,8 @@ def test_no_malformed_record_crashes_the_stage(tmp_path, mlflow_store):
     assert dict(zip(quarantine["location"].str.removeprefix("logs/"), quarantine["kind"], strict=True)) == expected
     assert result.metrics["traces"] == 1 and result.metrics["duplicates"] == len(MALFORMED) - 1
     assert result.metrics["quarantine_unanswered_tool_call"] == 3
+    assert result.metrics["quarantine_empty_tool_name"] == 1
+    assert result.metrics["quarantine_tool_arguments_not_object"] == 3
 
 
 def test_the_output_hash_is_the_one_dvc_records(project):

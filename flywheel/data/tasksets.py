@@ -11,7 +11,7 @@ import orjson
 import pyarrow as pa
 
 from flywheel.config import EnvironmentConfig
-from flywheel.envs.base import Environment, Task, split_of
+from flywheel.envs.base import Environment, Task, prompt_hash, split_of
 
 SCHEMA = pa.schema([(name, pa.string()) for name in ("task_id", "env", "prompt", "answer", "slice", "split",
                                                      "origin")])
@@ -27,23 +27,47 @@ def row_task(row: dict) -> Task:
                 slice=row["slice"], split=row["split"])
 
 
-def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, messages: Iterable[str],
+# the traces-table columns an environment may build a task from (task_from_trace)
+TRACE_COLUMNS = ["trace_id", "source", "messages", "tools", "outcome", "score", "split"]
+
+
+def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, traces: Iterable[dict],
                 known: set[str] | None = None) -> list[dict]:
     """Draw generated tasks until both splits are full, then add the traces' verifiable tasks; no duplicates.
 
-    `messages` are the traces' messages (JSON text) in table order. With `known`, the ids of the tasks built
-    from the traces before these ones, only the tasks new to those are returned: appended to that table, they
-    make the table a build over all the traces makes.
+    `traces` are traces-table rows (at least `messages`, JSON text) in table order. An environment with
+    `task_from_trace` (replay) reads the whole row and sets the split; any other reads the messages and its task
+    is split by its id. A task whose prompt hash is already taken (by a generated task or an earlier trace's) is
+    left out. With `known`, the ids and prompt hashes of the tasks built from the traces before these ones,
+    only the tasks new to those are returned: appended to that table, they make the table a build over all
+    the traces makes.
     """
     rows: dict[str, dict] = {}
     if known is None:
         _generate(env, cfg, heldout_fraction, rows)
+    prompts = {prompt_hash(json.loads(row["prompt"])) for row in rows.values()} | (known or set())
     known = known or set()
-    for text in messages:
-        task = env.task_from_messages(orjson.loads(text))  # our own JSON: orjson reads it as json would
-        if task is not None and task.task_id not in rows and task.task_id not in known:
-            rows[task.task_id] = task_row(_with_split(task, split_of(task.task_id, heldout_fraction)), "trace")
+    from_trace = getattr(env, "task_from_trace", None)
+    for trace in traces:
+        if from_trace is not None:
+            task = from_trace(trace, heldout_fraction)
+        else:
+            task = env.task_from_messages(orjson.loads(trace["messages"]))  # our own JSON: orjson reads it as json
+            task = task and _with_split(task, split_of(task.task_id, heldout_fraction))
+        if task is None or task.task_id in rows or task.task_id in known:
+            continue
+        digest = prompt_hash(task.prompt)
+        if digest in prompts:
+            continue  # one prompt, one task: whichever task set had it first keeps it
+        prompts.add(digest)
+        rows[task.task_id] = task_row(task, "trace")
     return list(rows.values())
+
+
+def known_keys(tasks: pa.Table) -> set[str]:
+    """The ids and prompt hashes of a stored tasks table: what build_tasks must not add again."""
+    return (set(tasks.column("task_id").to_pylist())
+            | {prompt_hash(orjson.loads(p)) for p in tasks.column("prompt").to_pylist()})
 
 
 def to_arrow(rows: list[dict]) -> pa.Table:

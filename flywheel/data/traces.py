@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import orjson
 import pandas as pd
 import pandera.pandas as pa
 
@@ -138,11 +139,25 @@ def _call(call, i: int) -> dict:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not call.get("id") or not isinstance(function.get("name"), str):
         raise BadRecord("bad_tool_call", f"message {i} has a tool call without id or function name")
+    # A target with such a call would teach the model to emit it, and replay could not serve it: each its own kind.
+    if not function["name"].strip():
+        raise BadRecord("empty_tool_name", f"message {i} has a tool call with an empty function name")
     arguments = function.get("arguments")
     if arguments is None:
         arguments = "{}"
     elif not isinstance(arguments, str):  # some loggers keep the parsed object
+        if not isinstance(arguments, dict):
+            raise BadRecord("tool_arguments_not_object", f"message {i}: tool call {function['name']!r} has "
+                                                         f"arguments that are not a JSON object")
         arguments = json.dumps(arguments, ensure_ascii=False)
+    else:
+        try:
+            parsed = orjson.loads(arguments) if arguments.strip() else {}
+        except orjson.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise BadRecord("tool_arguments_not_object", f"message {i}: tool call {function['name']!r} has "
+                                                         f"arguments that are not a JSON object")
     return {"id": str(call["id"]), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 

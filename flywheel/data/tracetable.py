@@ -83,7 +83,7 @@ def write(catalog: Catalog, rows: list[dict], incremental: bool, same_tasks: boo
           build: Callable[[Iterable[str], set[str] | None], list[dict]]) -> Written:
     """Merge new trace rows into the stored traces (if `incremental`) and write both tables.
 
-    `build(messages, known)` is tasksets.build_tasks for the pipeline's environment. When the traces were
+    `build(traces, known)` is tasksets.build_tasks for the pipeline's environment. When the traces were
     appended and the tasks table was built the way it would be now (`same_tasks`), only the new traces' tasks
     are built and appended; otherwise the tasks table is built from every trace.
     """
@@ -91,10 +91,10 @@ def write(catalog: Catalog, rows: list[dict], incremental: bool, same_tasks: boo
     catalog.write_arrow("traces", merged.table)
     if merged.appended and same_tasks:
         stored = catalog.read_arrow("tasks").cast(tasksets.SCHEMA)
-        added = build((row["messages"] for row in merged.fresh), set(stored.column("task_id").to_pylist()))
+        added = build(merged.fresh, tasksets.known_keys(stored))
         tasks = pa.concat_tables([stored, tasksets.to_arrow(added)]).combine_chunks()
     else:
-        added = build(merged.table.column("messages").to_pylist(), None)
+        added = build(merged.table.select(tasksets.TRACE_COLUMNS).to_pylist(), None)
         tasks = tasksets.to_arrow(added)
     catalog.check("tasks", pd.DataFrame(added, columns=tasksets.SCHEMA.names))  # the new rows, once
     catalog.write_arrow("tasks", tasks)

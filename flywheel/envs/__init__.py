@@ -100,9 +100,19 @@ def rebuild_environment(name: str | None, factory: str | None, args: dict, root:
     return get_environment(name, factory=factory, args=args, root=root)
 
 
-def load_environment(cfg, root: str | Path) -> Environment:
-    """The environment of a pipeline's `environment:` section (flywheel.config.EnvironmentConfig)."""
-    return get_environment(cfg.name, factory=cfg.factory, args=cfg.args, root=root)
+def load_environment(cfg, root: str | Path, pipeline: str | None = None) -> Environment:
+    """The environment of a pipeline's `environment:` section (flywheel.config.EnvironmentConfig).
+
+    With `replay:` (or `name: replay`) it is the replay environment, beside the named one unless that is replay;
+    `pipeline` names whose collected tasks it offers the tools of (flywheel/envs/replay)."""
+    if cfg.replay is None:
+        return get_environment(cfg.name, factory=cfg.factory, args=cfg.args, root=root)
+    from flywheel.data.catalog import Catalog
+    from flywheel.envs import replay
+
+    base = None if cfg.name == "replay" else get_environment(cfg.name, factory=cfg.factory, args=cfg.args, root=root)
+    table = Catalog(Path(root).resolve(), pipeline).table_path("tasks") if pipeline else None
+    return replay.build(cfg.replay, base, Path(root).resolve(), table)
 
 
 def environment_sources(cfg, root: str | Path) -> list[Path]:

@@ -1,0 +1,117 @@
+"""What a recorded conversation holds for replay: its prompt, its tool calls with their results, its answer.
+
+The task is the conversation's first exchange: the prompt is everything up to the first user turn (a run of
+user messages counts as one turn), the target is what the assistant did until its first answer (the calls it
+made, the answer it gave). Every recorded call of the conversation, later ones too, can answer the model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from flywheel.envs.replay.matching import Call, normalise
+
+# numbers, ids and dates: what an answer states that a tool told it ("W1234", "ORD-77", "2026-11-01", "1,234.50")
+FACT = re.compile(r"\d{4}-\d{2}-\d{2}|\b[A-Za-z]+[-_]?\d[\w-]*|\d[\d,]*(?:\.\d+)?")
+_JSON_TYPES = {str: "string", bool: "boolean", int: "integer", float: "number", dict: "object", list: "array",
+               type(None): "null"}
+
+
+class UnusableRecord(ValueError):
+    """A conversation replay cannot serve: a call whose arguments are not a JSON object, a result with no call."""
+
+
+@dataclass
+class Record:
+    prompt: list[dict]
+    calls: list[Call]  # every recorded call, in order
+    target: int  # how many of them the assistant made before its first answer
+    final: str  # that answer ("" when the conversation has none)
+
+    @property
+    def facts(self) -> list[str]:
+        """The facts of the answer that came from the target's tool results, each once, in answer order."""
+        found = facts_in(" ".join(c.result for c in self.calls[:self.target]))
+        return list(dict.fromkeys(f for f in fact_list(self.final) if f in found))
+
+
+def fact_list(text: str) -> list[str]:
+    """The facts a text states, normalised (1,234.50 and 1234.5 are one fact), in order."""
+    out = []
+    for match in FACT.finditer(text or ""):
+        value = normalise(match.group().rstrip(".-_"))
+        out.append(str(value))
+    return out
+
+
+def facts_in(text: str) -> set[str]:
+    """The set of facts a text states."""
+    return set(fact_list(text))
+
+
+def read_record(messages: list[dict]) -> Record:
+    """The prompt, the calls with their results, the target and the answer of a normalised conversation."""
+    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if first_user is None:
+        raise UnusableRecord("the conversation has no user message")
+    end = first_user
+    while end < len(messages) and messages[end].get("role") == "user":
+        end += 1
+    calls: list[Call] = []
+    pending: dict[str, tuple[str, dict]] = {}  # call id -> the call, for the latest assistant turn only
+    target, final = None, ""
+    for i, message in enumerate(messages[end:], end):
+        role = message.get("role")
+        if role == "assistant":
+            pending = {}  # ids are unique within a turn only: agents reuse call_0 in every turn
+            for call in message.get("tool_calls") or []:
+                fn = call.get("function") or {}
+                try:
+                    arguments = json.loads(fn.get("arguments") or "{}")
+                except json.JSONDecodeError:
+                    arguments = None
+                if not fn.get("name") or not isinstance(arguments, dict):
+                    raise UnusableRecord(f"message {i}: a tool call without a name or with arguments that are "
+                                         "not a JSON object")
+                pending[call.get("id")] = (fn["name"], arguments)
+            if not message.get("tool_calls") and target is None:
+                target, final = len(calls), _text(message.get("content"))
+        elif role == "tool":
+            if message.get("tool_call_id") not in pending:
+                raise UnusableRecord(f"message {i}: a tool result without its call")
+            name, arguments = pending.pop(message["tool_call_id"])
+            calls.append(Call(name, arguments, _text(message.get("content"))))
+        elif role == "user" and target is None:
+            target = len(calls)  # the user spoke again before any answer: the exchange ends there
+    return Record(messages[:end], calls, len(calls) if target is None else target, final)
+
+
+def _text(content) -> str:
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def infer_tools(calls: list[Call]) -> list[dict]:
+    """Function schemas for a trace that recorded none: each tool's name and its arguments' JSON types."""
+    seen: dict[str, list[dict]] = {}
+    for call in calls:
+        seen.setdefault(call.name, []).append(call.arguments)
+    schemas = []
+    for name, uses in seen.items():
+        properties: dict[str, dict] = {}
+        for arguments in uses:
+            for key, value in arguments.items():
+                kinds = properties.setdefault(key, {"type": []})["type"]
+                kind = _JSON_TYPES.get(type(value), "string")
+                if kind not in kinds:
+                    kinds.append(kind)
+        for prop in properties.values():
+            prop["type"] = prop["type"][0] if len(prop["type"]) == 1 else prop["type"]
+        required = [k for k in properties if all(k in a for a in uses)]
+        schemas.append({"type": "function", "function": {
+            "name": name, "description": "A recorded tool (schema inferred from the calls it was given).",
+            "parameters": {"type": "object", "properties": properties, "required": required}}})
+    return schemas
