@@ -1,11 +1,14 @@
-"""Held-out pass rate of an SFT student before and after the synchronous RL loop, side by side in one run.
+"""Does RL pay for itself? Held-out success after SFT and after RL, per seed, with the gate's paired bootstrap.
 
-    .venv/bin/python benchmarks/rl_gain.py [--student models/demo/sft] [--set steps=20 --set lr=1e-4] [--quick]
+    .venv/bin/python benchmarks/rl_gain.py [--pipeline rl-lift] [--seeds 0 1 2] [--rl-steps N] [--sft-steps N]
+                                           [--quick]
 
-Uses the pipeline's environment, tasks, rl and gate sections; prints both pass rates, the paired-bootstrap
-difference, per-slice rates, the gate's verdict (RL model as candidate, SFT as champion) and the wall times; the
-last line is one JSON object. The student is the demo's SFT checkpoint (`make demo` makes it). `--quick`: one RL
-step on 16 held-out tasks, from a random tiny student unless --student is given.
+Per seed, the pipeline's whole loop without orchestration: tasks from its environment, the tiny student built
+(seeded), the pipeline's teacher (an imperfect oracle in rl-lift) synthesising the SFT data with rejection
+sampling, SFT, RL (the pipeline's rl section: difficulty filtering, schedule, monitor), then base, SFT and RL
+scored greedily on the held-out tasks in the one harness. The difference RL - SFT is paired per task and its
+interval is the gate's paired bootstrap (flywheel/evaluate/stats.py). One JSON line per seed, then a summary
+line: how many seeds had a lower bound above 0. `--quick`: tiny sizes (what a test can run).
 """
 
 from __future__ import annotations
@@ -14,81 +17,118 @@ import argparse
 import json
 import tempfile
 import time
+from itertools import islice
 from pathlib import Path
 
-import pandas as pd
+import numpy as np
+from transformers.utils import logging as hf_logging
 
-from flywheel.config import RLConfig, TinyModelConfig, load_pipeline
-from flywheel.data.tasksets import build_tasks, row_task
-from flywheel.envs import get_environment
-from flywheel.evaluate.gate import decide
-from flywheel.evaluate.runner import evaluate_model
+from flywheel.agent import run_episodes
+from flywheel.config import load_pipeline
+from flywheel.envs import load_environment
+from flywheel.evaluate.stats import paired_bootstrap
+from flywheel.policies.base import Sampling
+from flywheel.policies.hf import HFPolicy
+from flywheel.policies.oracle import OraclePolicy
 from flywheel.train.rl.loop import train_rl
+from flywheel.train.rl.monitor import Monitor, audit_sample
+from flywheel.train.sft import train_sft
 from flywheel.train.tiny import build_tiny_student, environment_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def scores(env, path: Path, tasks, max_turns: int) -> dict[str, float]:
+    """Greedy reward per held-out task id."""
+    episodes = run_episodes(env, HFPolicy(path, batch_size=64), tasks, sampling=Sampling(temperature=0.0),
+                            max_turns=max_turns)
+    return {e.task.task_id: float(e.reward) for e in episodes}
+
+
+def by_slice(rewards: dict[str, float], tasks) -> dict[str, float]:
+    slices = sorted({t.slice for t in tasks})
+    return {s: round(float(np.mean([rewards[t.task_id] for t in tasks if t.slice == s])), 4) for s in slices}
+
+
+def one_seed(pipeline, env, train, heldout, seed: int, workdir: Path, confidence: float) -> dict:
+    """The whole loop for one seed; the numbers of its JSON line."""
+    started = time.perf_counter()
+    cfg = pipeline
+    max_turns = cfg.environment.max_turns
+    tiny = cfg.student.tiny.model_copy(update={"seed": seed})
+    base = build_tiny_student(environment_corpus(env, n=1000, seed=cfg.environment.seed + 7), tiny, workdir / "base")
+    teacher = OraclePolicy(env, error_rate=cfg.teacher.error_rate, error_slices=cfg.teacher.error_slices,
+                           error_seed=cfg.teacher.error_seed)
+    episodes = run_episodes(env, teacher, train, samples=cfg.synthesize.samples_per_task, max_turns=max_turns,
+                            sampling=Sampling())
+    rows = [{"messages": e.messages, "tools": env.tools()} for e in episodes if e.passed]
+    sft_started = time.perf_counter()
+    train_sft(base, rows, workdir / "sft", cfg.sft.model_copy(update={"seed": seed}))
+    sft_s = time.perf_counter() - sft_started
+    rl_started = time.perf_counter()
+    rl_cfg = cfg.rl.model_copy(update={"seed": seed, "checkpoint_every": 0})
+    monitor = Monitor(env, audit_sample(heldout, rl_cfg.monitor_tasks), rl_cfg, max_turns) \
+        if rl_cfg.monitor_every else None
+    _, summary = train_rl(workdir / "sft", env, train, rl_cfg, workdir / "rl", max_turns=max_turns,
+                          monitor=monitor)
+    rl_s = time.perf_counter() - rl_started
+    result = {label: scores(env, workdir / label, heldout, max_turns) for label in ("base", "sft", "rl")}
+    ids = sorted(result["sft"])
+    diff = paired_bootstrap([result["rl"][i] for i in ids], [result["sft"][i] for i in ids],
+                            n=2000, alpha=1 - confidence, seed=0)
+    return {"benchmark": "rl_gain", "seed": seed, "heldout_tasks": len(ids), "sft_conversations": len(rows),
+            "teacher_pass_rate": round(float(np.mean([e.passed for e in episodes])), 4),
+            **{f"{label}_success": round(float(np.mean(list(r.values()))), 4) for label, r in result.items()},
+            "rl_minus_sft": round(diff.estimate, 4), "lower_bound": round(diff.low, 4),
+            "upper_bound": round(diff.high, 4),
+            "sft_by_slice": by_slice(result["sft"], heldout), "rl_by_slice": by_slice(result["rl"], heldout),
+            "rl_reward_first": round(summary.get("reward_mean_first", float("nan")), 4),
+            "rl_reward_last": round(summary.get("reward_mean_last", float("nan")), 4),
+            "reward_hacking": summary.get("reward_hacking"),
+            "sft_s": round(sft_s, 1), "rl_s": round(rl_s, 1), "loop_s": round(time.perf_counter() - started, 1)}
+
+
 def main() -> None:
-    """Evaluate, train RL, evaluate again, compare."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--student", type=Path, help="the SFT checkpoint folder (default: models/<pipeline>/sft)")
-    parser.add_argument("--pipeline", default="demo")
+    parser.add_argument("--pipeline", default="rl-lift")
     parser.add_argument("--config", default=str(ROOT / "pipelines.yaml"))
-    parser.add_argument("--out", type=Path, default=None, help="the RL model's folder (default: temp)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an rl key")
-    parser.add_argument("--quick", action="store_true", help="the same on tiny sizes (what the tests run)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--sft-steps", type=int, help="default: the pipeline's")
+    parser.add_argument("--rl-steps", type=int, help="default: the pipeline's")
+    parser.add_argument("--rl-lr", type=float, help="default: the pipeline's")
+    parser.add_argument("--workdir", type=Path, help="where models go (default: a temporary folder)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: 5 SFT and 2 RL steps, 48 tasks")
     args = parser.parse_args()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
     pipeline = load_pipeline(args.pipeline, args.config)
-    quick = {"steps": 1, "tasks_per_step": 4, "group_size": 2} if args.quick else {}
-    overrides = quick | dict(item.split("=", 1) for item in args.set)
-    rl_cfg = RLConfig.model_validate(pipeline.rl.model_dump() | overrides)
-    env = get_environment(pipeline.environment.name)
-    rows = build_tasks(env, pipeline.environment, pipeline.collect.heldout_fraction, [])
-    train = [row_task(r) for r in rows if r["split"] == "train"]
-    heldout = [row_task(r) for r in rows if r["split"] == "heldout"][:16 if args.quick else None]
-    student = args.student or ROOT / "models" / args.pipeline / "sft"
-    if args.quick and args.student is None:  # no checkpoint needed: a random tiny student runs the same steps
-        student = build_tiny_student(environment_corpus(env, 200, 0),
-                                     TinyModelConfig(hidden_size=32, layers=1, heads=2, vocab_size=400),
-                                     Path(tempfile.mkdtemp(prefix="rl-gain-student-")))
-    if not student.is_dir():
-        raise SystemExit(f"{student}: no SFT checkpoint; run `flywheel run {args.pipeline}` (or `make demo`) first, "
-                         "or pass --student")
-    run = {"max_turns": pipeline.environment.max_turns, "tool_timeout_s": pipeline.environment.tool_timeout_s,
-           "batch_size": pipeline.evaluate.batch_size}
+    updates = {"sft": {"steps": args.sft_steps}, "rl": {"steps": args.rl_steps, "lr": args.rl_lr}}
+    if args.quick:
+        updates = {"sft": {"steps": 5, "log_every": 1}, "rl": {"steps": 2, "tasks_per_step": 4, "monitor_tasks": 4}}
+    for section, values in updates.items():
+        values = {k: v for k, v in values.items() if v is not None}
+        pipeline = pipeline.model_copy(update={section: getattr(pipeline, section).model_copy(update=values)})
+    n_train, n_heldout = pipeline.environment.train_tasks, pipeline.environment.heldout_tasks
+    if args.quick:
+        n_train, n_heldout = 32, 16
+    env = load_environment(pipeline.environment, ROOT)
+    seed = pipeline.environment.seed
+    train = list(islice(env.generate_tasks(seed), n_train))
+    seen = {t.task_id for t in train}
+    heldout = list(islice((t for t in env.generate_tasks(seed + 1_000_003) if t.task_id not in seen), n_heldout))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rl-gain-"))
 
-    t0 = time.perf_counter()
-    before = pd.DataFrame(evaluate_model(student, env, heldout, "sft", **run))
-    eval_s = time.perf_counter() - t0
-    out = args.out or Path(tempfile.mkdtemp(prefix="rl-gain-"))
-    print(f"rl config: {rl_cfg.model_dump()}")
-    t0 = time.perf_counter()
-    _, summary = train_rl(student, env, train, rl_cfg, out, pipeline.environment.max_turns,
-                          on_step=lambda step, m: print(
-                              f"  step {step:3d} reward {m['reward_mean']:.3f} skipped "
-                              f"{m['skipped_groups']:2d}/{m['groups']} clip {m['clip_fraction']:.3f} "
-                              f"{m['step_time_s']:.1f}s"))
-    rl_s = time.perf_counter() - t0
-    after = pd.DataFrame(evaluate_model(out, env, heldout, "rl", **run))
-
-    # The gate's own numbers: the same pairing, bootstrap and seed that promotion would use.
-    decision = decide(after, before, pipeline.gate)
-    diff, level = decision.numbers.get("diff", {}), pipeline.gate.confidence
-    print(f"held-out tasks: {len(heldout)}   (eval {eval_s:.1f}s per model)")
-    print(f"pass rate  sft {before['passed'].mean():.3f}   rl {after['passed'].mean():.3f}   "
-          f"diff {diff.get('estimate', float('nan')):+.3f} [{diff.get('low', float('nan')):+.3f}, "
-          f"{diff.get('high', float('nan')):+.3f}] ({level:.0%} paired bootstrap)")
-    for name, part in decision.numbers.get("slices", {}).items():
-        print(f"  slice {name:6s} sft {part.get('champion', float('nan')):.3f}   rl {part['candidate']:.3f}")
-    print(f"rl wall time {rl_s:.1f}s ({rl_cfg.steps} steps, {summary['episodes']} episodes)")
-    print(f"gate (rl vs sft): {'PASS' if decision.passed else 'FAIL'}: " + "; ".join(decision.reasons))
-    print(json.dumps({"benchmark": "rl_gain", "rl_steps": rl_cfg.steps, "heldout_tasks": len(heldout),
-                      "sft_pass_rate": round(float(before["passed"].mean()), 4),
-                      "rl_pass_rate": round(float(after["passed"].mean()), 4),
-                      "diff": {k: round(v, 4) for k, v in diff.items() if isinstance(v, float)},
-                      "gate_passed": bool(decision.passed), "eval_s": round(eval_s, 1), "rl_s": round(rl_s, 1)}))
+    lines = []
+    for s in args.seeds:
+        line = one_seed(pipeline, env, train, heldout, s, workdir / f"seed-{s}", pipeline.gate.confidence)
+        print(json.dumps(line), flush=True)
+        lines.append(line)
+    print(json.dumps({"benchmark": "rl_gain", "pipeline": args.pipeline, "seeds": args.seeds,
+                      "lift_shown": sum(x["lower_bound"] > 0 for x in lines),
+                      "sft_success": [x["sft_success"] for x in lines], "rl_success": [x["rl_success"] for x in lines],
+                      "lower_bounds": [x["lower_bound"] for x in lines],
+                      "max_loop_s": max(x["loop_s"] for x in lines)}))
 
 
 if __name__ == "__main__":

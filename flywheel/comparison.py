@@ -12,10 +12,22 @@ from pathlib import Path
 import pandas as pd
 from mlflow.exceptions import MlflowException
 
-from flywheel.metrics import FINAL, RL_FINAL_REWARD, RL_REWARD, SFT_FINAL_LOSS, SFT_LOSS
+from flywheel.metrics import (
+    FINAL,
+    GATE_COST_SAVING,
+    GATE_COST_SAVING_LOW,
+    RL_FINAL_AUDIT,
+    RL_FINAL_GAP,
+    RL_FINAL_HACKING,
+    RL_FINAL_REWARD,
+    RL_REWARD,
+    SFT_FINAL_LOSS,
+    SFT_LOSS,
+)
 from flywheel.registry import client
 
-PARAMS = ("sft.steps", "sft.lr", "rl.steps", "rl.lr", "rl.group_size", "gate.mode", "gate.margin")
+PARAMS = ("sft.steps", "sft.lr", "rl.steps", "rl.lr", "rl.group_size", "rl.lr_schedule", "rl.difficulty_filter",
+          "teacher.error_rate", "gate.mode", "gate.margin")
 CURVES = {"sft": SFT_LOSS, "rl": RL_REWARD}  # the learning curve each training stage logs per step
 
 
@@ -94,8 +106,16 @@ def summary_table(rows: list[dict]) -> pd.DataFrame:
             "rl [95% CI]": _fmt(m.get("evaluate.score_rl")) + (f" [{low:.3f}, {high:.3f}]" if low is not None
                                                               and high is not None else ""),
             "vs champion": "" if diff is None else f"{diff:+.3f} (low {diff_low:+.3f})",
+            # the RL reward-hacking monitor: held-out audit pass rate, reward minus it, and its verdict
+            "audit": _fmt(m.get(f"rl.{RL_FINAL_AUDIT}")), "reward-audit gap": _fmt(m.get(f"rl.{RL_FINAL_GAP}")),
+            "hacking": {None: "", 0.0: "no", 1.0: "FLAGGED"}.get(m.get(f"rl.{RL_FINAL_HACKING}"), "?"),
+            "cost saving": _saving(m.get(f"evaluate.{GATE_COST_SAVING}"), m.get(f"evaluate.{GATE_COST_SAVING_LOW}")),
             "gate": row["gate"] or row["status"].lower()})
     return pd.DataFrame(lines)
+
+
+def _saving(saving, low) -> str:
+    return "" if saving is None else f"{saving:.1%}" + ("" if low is None else f" (low {low:.1%})")
 
 
 def _fmt(value) -> str:

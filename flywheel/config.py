@@ -138,6 +138,13 @@ class TeacherConfig(Section):
     cache: str | None = ".flywheel/teacher-cache.sqlite"
     # hf and vllm teachers (local models): auto, cpu, cuda or cuda:N, as student.device; vllm needs a GPU
     device: str = Field("auto", pattern=DEVICE_PATTERN)
+    # oracle only, an imperfect teacher as real ones are: this fraction of its final answers is wrong (a number
+    # in it is off), chosen by a hash of (error_seed, conversation), so reruns make the same mistakes. The rubric
+    # rejects them, so the student sees fewer targets where the teacher errs. error_slices: only tasks of these
+    # slices (as the environment's task_from_messages reads them); empty: every slice.
+    error_rate: float = Field(0.0, ge=0, le=1)
+    error_slices: list[str] = []
+    error_seed: int = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -154,6 +161,9 @@ class TeacherConfig(Section):
         if self.policy != "oracle" and not self.model:
             raise ValueError(f"teacher policy '{self.policy}' needs 'model' (the served model name, "
                              "or a checkpoint for vllm and hf)")
+        if self.policy != "oracle" and (self.error_rate or self.error_slices):
+            raise ValueError(f"error_rate and error_slices make the oracle imperfect; teacher policy "
+                             f"'{self.policy}' makes its own mistakes (set them only with policy: oracle)")
         if self.policy == "vllm" and self.device == "cpu":
             raise ValueError("teacher policy 'vllm' runs on a GPU only: device cpu is not possible (use hf on "
                              "the CPU, or openai against a vLLM server)")
@@ -360,6 +370,24 @@ class RLConfig(Section):
     # empty: every actor on student.device.
     actor_devices: list[str] = []
     checkpoint_every: int = Field(5, ge=0)  # learner steps between resumable checkpoints; 0: none
+    # The learning rate over the run: constant, or after `warmup_steps` (linear from 0) a cosine or linear decay
+    # to lr * min_lr_ratio at the last step. Per learner step, so a resumed run continues the same schedule.
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    # Online difficulty filtering (DAPO, prime-rl): a task whose last `filter_window` groups were all-pass or
+    # all-fail (no signal) is drawn with weight `filter_weight` instead of 1. Step s's tasks depend only on the
+    # seed and the groups of steps before s - max_staleness, so reruns and resumed runs draw the same tasks.
+    difficulty_filter: bool = False
+    filter_window: int = Field(1, ge=1)
+    filter_weight: float = Field(0.1, ge=0, le=1)
+    # Reward-hacking monitor: every `monitor_every` steps (and before the first) the current policy answers a
+    # fixed sample of `monitor_tasks` held-out tasks greedily; audit_pass is the share that passes the
+    # environment's audit checks (its rubric's `passed` when it declares none). A run whose training reward
+    # rose while audit_pass fell by more than `max_audit_drop` from its first value is flagged. 0: off.
+    monitor_every: int = Field(0, ge=0)
+    monitor_tasks: int = Field(32, ge=1)
+    max_audit_drop: float = Field(0.1, ge=0, le=1)
 
     @model_validator(mode="after")
     def _actors_fit(self) -> RLConfig:
@@ -389,8 +417,12 @@ class EvaluateConfig(Section):
 class GateConfig(Section):
     min_score: float = Field(0.8, ge=0, le=1)
     # "improve": the bootstrap lower bound of (candidate - champion) must exceed margin;
-    # "non_inferior": it must exceed -margin.
-    mode: Literal["improve", "non_inferior"] = "non_inferior"
+    # "non_inferior": it must exceed -margin;
+    # "cost_aware": non-inferior, and cheaper than the champion in mean `cost_metric` per task: the lower bound
+    # of the relative saving (1 - candidate / champion) must reach min_token_saving.
+    mode: Literal["improve", "non_inferior", "cost_aware"] = "non_inferior"
+    min_token_saving: float = Field(0.1, ge=0, lt=1)
+    cost_metric: Literal["tokens", "latency_s"] = "tokens"
     margin: float = Field(0.03, ge=0, le=1)
     max_slice_regression: float = Field(0.05, ge=0, le=1)
     bootstrap_samples: int = Field(2000, ge=100)

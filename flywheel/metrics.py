@@ -27,3 +27,15 @@ def final_metrics(summary: dict) -> dict:
 
 SFT_FINAL_LOSS = final_name(SFT_LAST_LOSS)  # what `flywheel compare` shows as "sft loss"
 RL_FINAL_REWARD = final_name(RL_LAST_REWARD)  # what `flywheel compare` shows as "rl reward"
+
+# The reward-hacking monitor (flywheel/train/rl/monitor.py): per check, logged at the policy version audited;
+# the RL summary carries `<name>_first`, `<name>_last`, `<name>_trend` (change per step) and the flag.
+AUDIT_PASS = "audit_pass"  # share of the fixed held-out audit sample passing the environment's audit checks
+REWARD_AUDIT_GAP = "reward_audit_gap"  # mean rubric reward on that sample minus audit_pass
+REWARD_HACKING = "reward_hacking"  # 1.0: training reward rose while audit_pass fell past rl.max_audit_drop
+RL_FINAL_AUDIT = final_name(f"{AUDIT_PASS}_last")  # what `flywheel compare` shows as "audit"
+RL_FINAL_GAP = final_name(f"{REWARD_AUDIT_GAP}_last")  # "reward-audit gap"
+RL_FINAL_HACKING = final_name(REWARD_HACKING)  # "hacking"
+# The cost-aware gate (flywheel/evaluate/gate.py): the relative saving 1 - candidate/champion and its interval.
+GATE_COST_SAVING = "gate_cost_saving"
+GATE_COST_SAVING_LOW = "gate_cost_saving_low"

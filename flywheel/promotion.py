@@ -93,7 +93,11 @@ def gate_against_champion(name: str, version: str, champion: str | None, gate: G
         if reference is None:
             return GateDecision(False, [f"champion version {champion} of '{name}' has no stored eval table; "
                                         "compare by hand and promote with --force"])
-    return decide(candidate, reference, gate)
+    # the RL monitor's verdict, recorded on the version at registration, refuses it whatever its scores
+    tags = client().get_model_version(name, version).tags
+    flags = [tags.get("flywheel.reward_hacking_reason") or "reward hacking flagged by the RL monitor"] \
+        if tags.get("flywheel.reward_hacking") == "flagged" else []
+    return decide(candidate, reference, gate, flags=flags)
 
 
 def _set_champion(name: str, version: str, previous: str | None, how: str, reasons: list[str]) -> None:

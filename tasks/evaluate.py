@@ -16,7 +16,9 @@ from flywheel.envs.base import Task, prompt_hash
 from flywheel.evaluate.gate import GateDecision, decide
 from flywheel.evaluate.report import plot_slices, slice_scores
 from flywheel.evaluate.runner import check_contamination, evaluate_model, synthetic_prompt_hashes
+from flywheel.metrics import GATE_COST_SAVING, GATE_COST_SAVING_LOW
 from flywheel.stages import StageResult
+from flywheel.train.rl.monitor import MONITOR_FILE
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
 from tasks.reports import publish_eval_report
@@ -50,7 +52,7 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
         catalog.write("eval", table)
 
         by_model = {label: table[table["model"] == label] for label in models}
-        decision = decide(by_model["rl"], by_model.get("champion"), cfg.gate)
+        decision = decide(by_model["rl"], by_model.get("champion"), cfg.gate, flags=_monitor_flags(catalog))
         # the headline score stays greedy; the gate weighs every row (greedy and sampled) per task
         scores = {f"score_{label}": float(frame.loc[frame["sample"] == 0, "reward"].mean())
                   for label, frame in by_model.items()}
@@ -101,9 +103,20 @@ def _models(catalog: Catalog, pipeline: str, candidate_hash: str) -> tuple[dict[
     return models, champion
 
 
+def _monitor_flags(catalog: Catalog) -> list[str]:
+    """The RL reward-hacking monitor's verdict (data/<p>/rl/monitor.json), when it ran and flagged the run."""
+    path = catalog.stage_dir("rl") / MONITOR_FILE
+    if not path.exists():
+        return []
+    report = json.loads(path.read_text())
+    return [report["reason"]] if report.get("flagged") else []
+
+
 def _gate_metrics(decision: GateDecision, numbers: dict) -> dict:
-    """The gate's decision and numbers as MLflow metrics: passed, the difference and the candidate's interval."""
-    return ({"gate_passed": float(decision.passed)}
+    """The gate's decision and numbers as MLflow metrics: passed, the differences and the candidate's interval."""
+    cost = numbers.get("cost") or {}
+    return ({"gate_passed": float(decision.passed), "gate_flagged": float(bool(numbers.get("flags")))}
+            | ({GATE_COST_SAVING: cost["saving"], GATE_COST_SAVING_LOW: cost["low"]} if cost else {})
             | {f"gate_diff_{k}": v for k, v in (numbers.get("diff") or {}).items() if v is not None}
             | {f"gate_candidate_{k}": numbers.get("candidate", {}).get(k) for k in ("low", "high")
                if numbers.get("candidate", {}).get(k) is not None})

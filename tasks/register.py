@@ -45,6 +45,9 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
                 **(lineage or {})}
         if adapter_base(model_dir):  # a LoRA adapter: serving needs the base it was trained over
             tags["flywheel.adapter_base"] = adapter_base(model_dir)
+        flags = gate["numbers"].get("flags") or []
+        tags |= {"flywheel.reward_hacking": "flagged" if flags else "clean"} | (
+            {"flywheel.reward_hacking_reason": "; ".join(flags)[:5000]} if flags else {})
         tags |= {"flywheel.gate_reasons": "; ".join(gate["reasons"])[:5000],
                  "flywheel.gate_champion": gate.get("champion_version") or "none",
                  **{f"flywheel.gate.{k}": round(v, 4) for k, v in (gate["numbers"].get("diff") or {}).items()

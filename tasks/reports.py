@@ -19,3 +19,17 @@ def publish_eval_report(pipeline: str, report: dict, table: pd.DataFrame) -> Non
     lines = [f"# Gate: {verdict}", "", *[f"- {r}" for r in report["reasons"]]]
     create_markdown_artifact(key=f"{pipeline}-gate", markdown="\n".join(lines),
                              description=f"Promotion gate decision ({pipeline})")
+
+
+def publish_monitor_report(pipeline: str, report: dict) -> None:
+    """The reward-hacking monitor's checks and verdict as a Prefect artifact; a no-op outside Prefect."""
+    if TaskRunContext.get() is None:
+        return
+    verdict = "FLAGGED: " + report["reason"] if report["flagged"] else "not flagged"
+    lines = [f"# Reward-hacking monitor: {verdict}", "",
+             "| policy version | audit_pass | audit reward | reward_audit_gap | training reward |",
+             "|---|---|---|---|---|",
+             *[f"| {c['version']} | {c['audit_pass']:.3f} | {c['audit_reward']:.3f} | {c['reward_audit_gap']:+.3f} | "
+               + ("" if c["train_reward"] is None else f"{c['train_reward']:.3f}") + " |" for c in report["checks"]]]
+    create_markdown_artifact(key=f"{pipeline}-reward-monitor", markdown="\n".join(lines),
+                             description=f"Audit of the RL policy on held-out tasks ({pipeline})")

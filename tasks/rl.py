@@ -11,17 +11,24 @@ from flywheel.data.tasksets import row_task
 from flywheel.metrics import final_metrics
 from flywheel.stages import StageResult
 from flywheel.train.rl.loop import train_rl
+from flywheel.train.rl.monitor import MONITOR_FILE, Monitor, audit_sample
 from tasks.kernel import stage_context, stage_task
 from tasks.progress import progress
+from tasks.reports import publish_monitor_report
 
 
 @stage_task()
 def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> StageResult:
-    """RL from the SFT checkpoint: the RL checkpoint and the rollouts table."""
+    """RL from the SFT checkpoint: the RL checkpoint, the rollouts table and the monitor's report."""
     with stage_context("rl", pipeline, root, parent_run_id, params=("rl",)) as stage:
         cfg, catalog, env, run = stage.cfg, stage.catalog, stage.env, stage.run
-        tasks = [row_task(r) for r in catalog.read("tasks").to_dict("records") if r["split"] == "train"]
+        table = catalog.read("tasks")
+        tasks = [row_task(r) for r in table.to_dict("records") if r["split"] == "train"]
         out_dir = catalog.model_dir("rl")
+        monitor = None
+        if cfg.rl.monitor_every and cfg.rl.steps:  # audited on held-out tasks, which it never trains on
+            heldout = [row_task(r) for r in table.to_dict("records") if r["split"] == "heldout"]
+            monitor = Monitor(env, audit_sample(heldout, cfg.rl.monitor_tasks), cfg.rl, cfg.environment.max_turns)
         if cfg.rl.steps == 0:  # RL switched off: the candidate is the SFT model itself
             shutil.rmtree(out_dir, ignore_errors=True)
             shutil.copytree(catalog.model_dir("sft"), out_dir)
@@ -29,7 +36,15 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
         else:
             rows, summary = train_rl(catalog.model_dir("sft"), env, tasks, cfg.rl, out_dir,
                                      max_turns=cfg.environment.max_turns, device=cfg.student.device,
-                                     on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"))
+                                     on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"), monitor=monitor)
         catalog.write("rollouts", pd.DataFrame(rows, columns=list(Rollouts.to_schema().columns)))
+        report_path = catalog.stage_dir("rl") / MONITOR_FILE
+        report_path.unlink(missing_ok=True)
+        if monitor is not None:
+            report = monitor.report()
+            catalog.write_json("rl", MONITOR_FILE, report)
+            run.tags({"flywheel.reward_hacking": "flagged" if report["flagged"] else "clean"}
+                     | ({"flywheel.reward_hacking_reason": report["reason"][:5000]} if report["flagged"] else {}))
+            publish_monitor_report(pipeline, report)
         run.metrics(final_metrics(summary))
         return stage.done(summary)

@@ -82,7 +82,8 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
 def build_teacher(cfg: TeacherConfig, env: Environment, root: Path) -> Policy:
     """The teacher policy the config names; the openai one reads its key from the variable named, here only."""
     if cfg.policy == "oracle":
-        return get_policy("oracle", env=env)
+        return get_policy("oracle", env=env, error_rate=cfg.error_rate, error_slices=cfg.error_slices,
+                          error_seed=cfg.error_seed)
     if cfg.policy in ("hf", "vllm"):  # a folder under the project root (not the cwd), else a hub id as given
         model = str(root / cfg.model) if (root / cfg.model).exists() else cfg.model
         if cfg.policy == "hf":

@@ -19,7 +19,7 @@ def _shrink(project, seed: int) -> None:
     # another seed per run: a second SFT with the same inputs would resume from the first one's last checkpoint
     small["sft"] |= {"steps": 4, "batch_size": 8, "log_every": 2, "eval_fraction": 0.0, "seed": seed}
     small["rl"] |= {"steps": 2, "tasks_per_step": 2, "group_size": 2, "actors": 0, "max_new_tokens": 16,
-                    "seed": seed}
+                    "seed": seed, "monitor_every": seed, "monitor_tasks": 4}  # the second run is monitored
     (project / "pipelines.yaml").write_text(yaml.safe_dump(config))
 
 
@@ -72,6 +72,12 @@ def test_compare_reads_runs_the_stages_made_and_writes_html(project, tmp_path):
     assert table.loc[0, "rl [95% CI]"].startswith(f"{scores['score_rl']:.3f} [")
     assert table.loc[0, "gate"] == "failed" and table.loc[1, "gate"] == "passed"
     assert all(table.loc[i, column] != "" for i in (0, 1) for column in ("sft loss", "rl reward", "base", "sft"))
+    # the reward-hacking monitor's numbers, from the monitored run only
+    rl_metrics = c.get_run(stage_ids["rl"]).data.metrics
+    assert table.loc[0, "audit"] == f"{rl_metrics[metrics.RL_FINAL_AUDIT]:.3f}"
+    assert table.loc[0, "reward-audit gap"] == f"{rl_metrics[metrics.RL_FINAL_GAP]:.3f}"
+    assert table.loc[0, "hacking"] == "no" and table.loc[1, "audit"] == table.loc[1, "hacking"] == ""
+    assert len(c.get_metric_history(stage_ids["rl"], metrics.AUDIT_PASS)) == 2  # after steps 0 and 1
 
     out = CliRunner().invoke(app, ["compare", "small", "--last", "1", "--html", str(tmp_path / "r.html"),
                                    "--root", str(project)])
@@ -87,3 +93,15 @@ def test_summary_keys_are_logged_once_prefixed():
     assert metrics.final_metrics({"final_loss": 0.5, "reward_mean_last": 0.2}) == {
         "final_loss": 0.5, "final_reward_mean_last": 0.2}
     assert metrics.SFT_FINAL_LOSS == "final_loss" and metrics.RL_FINAL_REWARD == "final_reward_mean_last"
+
+
+def test_cost_saving_and_a_flag_show_in_the_table():
+    import pandas as pd
+
+    row = {"run_id": "abcdef0123", "started": pd.Timestamp(0, unit="ms"), "status": "FINISHED", "version": "3",
+           "gate": "failed", "data": {}, "params": {}, "curves": {}, "slices": [], "reasons": [],
+           "metrics": {f"rl.{metrics.RL_FINAL_HACKING}": 1.0, f"rl.{metrics.RL_FINAL_AUDIT}": 0.25,
+                       f"evaluate.{metrics.GATE_COST_SAVING}": 0.31, f"evaluate.{metrics.GATE_COST_SAVING_LOW}": 0.22}}
+    table = comparison.summary_table([row])
+    assert table.loc[0, "hacking"] == "FLAGGED" and table.loc[0, "audit"] == "0.250"
+    assert table.loc[0, "cost saving"] == "31.0% (low 22.0%)"

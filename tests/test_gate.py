@@ -168,3 +168,44 @@ def test_cost_and_latency_limits():
     assert not slow.passed, "a NaN latency cannot pass a latency limit"
     missing = decide(table(BETTER), None, cfg(max_latency_s=1.0))
     assert not missing.passed and any("no 'latency_s' column" in r for r in missing.reasons)
+
+
+def _costed(frame: pd.DataFrame, tokens: np.ndarray) -> pd.DataFrame:
+    return frame.assign(tokens=tokens[frame.index.to_numpy() % len(tokens)])
+
+
+def test_cost_aware_passes_an_equal_but_cheaper_candidate_and_reports_both_differences():
+    spend = np.random.default_rng(7).integers(80, 120, 200).astype(float)
+    champion = _costed(table(CHAMPION), spend)
+    cheaper = _costed(table(CHAMPION), spend * 0.7)  # the same answers, 30% fewer tokens
+    d = decide(cheaper, champion, cfg(mode="cost_aware", margin=0.03, min_token_saving=0.2))
+    assert d.passed, d.reasons
+    assert d.numbers["diff"]["estimate"] == 0.0
+    cost = d.numbers["cost"]
+    assert cost["metric"] == "tokens" and cost["saving"] == pytest.approx(0.3)
+    assert cost["low"] <= cost["saving"] <= cost["high"] and cost["low"] >= 0.2
+    assert any(r.startswith("cheaper:") for r in d.reasons), d.reasons
+    json.loads(d.to_json())
+
+
+def test_cost_aware_refuses_a_saving_below_the_minimum_or_a_worse_quality():
+    spend = np.random.default_rng(7).integers(80, 120, 200).astype(float)
+    champion = _costed(table(CHAMPION), spend)
+    slightly = decide(_costed(table(CHAMPION), spend * 0.95), champion, cfg(mode="cost_aware", min_token_saving=0.2))
+    assert not slightly.passed and any("not cheaper enough" in r for r in slightly.reasons), slightly.reasons
+    worse = (RNG.random(200) < 0.4).astype(float)
+    cheap_but_worse = decide(_costed(table(worse), spend * 0.5), champion, cfg(mode="cost_aware", margin=0.03))
+    assert not cheap_but_worse.passed
+    assert any("non-inferiority not shown" in r for r in cheap_but_worse.reasons), cheap_but_worse.reasons
+    latency = decide(table(CHAMPION).assign(latency_s=1.0), table(CHAMPION).assign(latency_s=2.0),
+                     cfg(mode="cost_aware", cost_metric="latency_s", min_token_saving=0.4))
+    assert latency.passed and latency.numbers["cost"]["saving"] == pytest.approx(0.5), latency.reasons
+    no_column = decide(table(CHAMPION), champion, cfg(mode="cost_aware"))
+    assert not no_column.passed and any("no 'tokens' column" in r for r in no_column.reasons)
+
+
+def test_a_flag_refuses_a_candidate_whatever_its_scores():
+    reason = "reward hacking: training reward rose while audit_pass fell"
+    d = decide(table(BETTER), table(CHAMPION), cfg(), flags=[reason])
+    assert not d.passed and f"flagged: {reason}" in d.reasons and d.numbers["flags"] == [reason]
+    assert decide(table(BETTER), table(CHAMPION), cfg(), flags=[]).passed

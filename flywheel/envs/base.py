@@ -54,6 +54,10 @@ class Environment(Protocol):
     Episode state is opaque to the harness: start(task) makes it (None for a stateless environment), every
     call_tool and the score of that episode get it, then finish(state) tears it down. Concurrent episodes never
     share one. score with state None scores a recorded conversation (flywheel/envs/sdk.py replays its calls).
+
+    Optional: audit(task, messages, state=None) -> {check: value} or None, stricter checks than the reward that
+    nothing trains on; the RL reward-hacking monitor counts an episode as audited when every value is 1
+    (flywheel/train/rl/monitor.py). An environment without it is audited by its rubric's `passed`.
     """
 
     name: str

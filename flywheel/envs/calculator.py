@@ -12,6 +12,7 @@ import operator
 import random
 import re
 from collections.abc import Iterator
+from functools import partial
 
 from flywheel.envs.base import Task, ToolError, prompt_hash
 from flywheel.envs.sdk import Env, Reward
@@ -89,8 +90,11 @@ def find_expression(text: str) -> str | None:
 
 
 def slice_of(expression: str) -> str:
-    """The difficulty slice: 3+ operands 'mixed', else 'mul' with a product, else 'add'."""
-    if len(re.findall(r"\d+", expression)) >= 3:
+    """The difficulty slice: an operand of 3+ digits 'big', else 3+ operands 'mixed', 'mul' with a product, 'add'."""
+    operands = re.findall(r"\d+", expression)
+    if any(len(o) >= 3 for o in operands):
+        return "big"
+    if len(operands) >= 3:
         return "mixed"
     return "mul" if "*" in expression else "add"
 
@@ -114,22 +118,36 @@ def calculator(expression: str) -> str:
     return format_number(evaluate(expression))
 
 
-def generate_tasks(seed: int) -> Iterator[Task]:
-    """An endless seeded stream of questions, slices 'add', 'mul' and 'mixed' in equal shares."""
+def generate_tasks(seed: int, big_fraction: float = 0.0, big_max: int = 999) -> Iterator[Task]:
+    """An endless seeded stream of questions, slices 'add', 'mul' and 'mixed' in equal shares.
+
+    big_fraction: the share of 'big' questions instead, a product or sum of 2-3 operands up to big_max
+    (results of 5-8 digits): a harder slice, since the student must copy a long tool result exactly.
+    """
     rng = random.Random(seed)
     while True:
-        kind = rng.choice(["add", "mul", "mixed"])
-        a, b, c = (rng.randint(1, 99) for _ in range(3))
-        if kind == "add":
-            expression = f"{a} {rng.choice('+-')} {b}"
-        elif kind == "mul":
-            expression = f"{a} * {b}"
+        if big_fraction and rng.random() < big_fraction:
+            expression = _big_expression(rng, big_max)
         else:
-            op1, op2 = rng.choice("+-*"), rng.choice("+-*")
-            expression = rng.choice([f"{a} {op1} {b} {op2} {c}", f"({a} {op1} {b}) {op2} {c}",
-                                     f"{a} {op1} ({b} {op2} {c})"])
+            expression = _expression(rng)
         prompt = [{"role": "user", "content": rng.choice(PHRASINGS).format(expression)}]
         yield _task(prompt, expression, evaluate(expression))
+
+
+def _expression(rng: random.Random) -> str:
+    kind = rng.choice(["add", "mul", "mixed"])
+    a, b, c = (rng.randint(1, 99) for _ in range(3))
+    if kind == "add":
+        return f"{a} {rng.choice('+-')} {b}"
+    if kind == "mul":
+        return f"{a} * {b}"
+    op1, op2 = rng.choice("+-*"), rng.choice("+-*")
+    return rng.choice([f"{a} {op1} {b} {op2} {c}", f"({a} {op1} {b}) {op2} {c}", f"{a} {op1} ({b} {op2} {c})"])
+
+
+def _big_expression(rng: random.Random, big_max: int) -> str:
+    a, b, c = rng.randint(100, big_max), rng.randint(10, big_max), rng.randint(10, 99)
+    return rng.choice([f"{a} * {b}", f"{a} * {b} + {c}", f"({a} + {c}) * {b}", f"{a} * {b} - {c}"])
 
 
 def task_from_messages(messages: list[dict]) -> Task | None:
@@ -159,6 +177,15 @@ def answer(task: Task, messages: list[dict]) -> float:
     # "1,234" is one number to a reader, so drop thousands separators before reading numbers
     numbers = NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3})", "", _text(last.get("content")))) if answered else []
     return float(bool(numbers) and int(numbers[-1]) == task.data["value"])
+
+
+def exact_answer(task: Task, messages: list[dict]) -> float:
+    """Audit: the final answer states one number, the right one (a list of guesses does not pass)."""
+    last = messages[-1] if messages else {}
+    if last.get("role") != "assistant" or last.get("tool_calls"):
+        return 0.0
+    numbers = NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3})", "", _text(last.get("content"))))
+    return float(len(numbers) == 1 and int(numbers[0]) == task.data["value"])
 
 
 def used_tool(task: Task, messages: list[dict]) -> float:
@@ -193,21 +220,27 @@ def solve(messages: list[dict]) -> dict:
 
 
 class CalculatorEnv(Env):
-    """Arithmetic with 2-3 operands up to 99 that the agent should hand to the `calculator` tool.
+    """Arithmetic with 2-3 operands up to 99 (and a share of bigger ones) that the agent should hand to the tool.
 
-    Stateless; the reward is the answer alone, `used_tool` and `valid_tool_calls` are logged with weight 0.
+    Stateless; the reward is the answer alone, `used_tool` and `valid_tool_calls` are logged with weight 0; the
+    audit (the RL monitor's) asks for exactly one number in the answer, the right one.
     A class (not only make_env) so that tests can subclass it.
     """
 
-    def __init__(self):
-        super().__init__(name="calculator", tools=[calculator], tasks=generate_tasks,
+    def __init__(self, big_fraction: float = 0.0, big_max: int = 999):
+        if not 0.0 <= big_fraction <= 1.0 or big_max < 100:
+            raise ValueError(f"calculator: big_fraction must be in [0, 1] (got {big_fraction}) and big_max at least "
+                             f"100 (got {big_max})")
+        # a partial, not a lambda: the environment is pickled into RL actor processes
+        tasks = partial(generate_tasks, big_fraction=big_fraction, big_max=big_max) if big_fraction else generate_tasks
+        super().__init__(name="calculator", tools=[calculator], tasks=tasks,
                          rewards=[Reward(answer), Reward(used_tool, weight=0.0), Reward(valid_tool_calls, weight=0.0)],
-                         passed=1.0, solver=solve, task_from_messages=task_from_messages)
+                         passed=1.0, solver=solve, task_from_messages=task_from_messages, audits=[exact_answer])
 
 
-def make_env() -> Env:
-    """The calculator environment (`environment: {name: calculator}`)."""
-    return CalculatorEnv()
+def make_env(big_fraction: float = 0.0, big_max: int = 999) -> Env:
+    """The calculator environment (`environment: {name: calculator, args: {big_fraction: 0.3}}`)."""
+    return CalculatorEnv(big_fraction, big_max)
 
 
 ENVIRONMENT = make_env

@@ -310,7 +310,7 @@ class Env:
                  rewards: Iterable[Reward | Callable], passed: float | str = 1.0,
                  setup: Callable[[Task], object] | None = None, teardown: Callable[[object], None] | None = None,
                  solver: Callable | None = None, task_from_messages: Callable[[list[dict]], Task | None] | None = None,
-                 tool_sources: Iterable = ()):
+                 tool_sources: Iterable = (), audits: Iterable[Reward | Callable] = ()):
         self.name = name
         self._tools = {}
         for fn in tools:
@@ -329,6 +329,9 @@ class Env:
         if isinstance(passed, str) and passed not in labels:
             raise ValueError(f"environment '{name}': passed='{passed}' names no reward (rewards: {labels})")
         self.passed = passed
+        # Audit checks: stricter verifiers than the reward, never trained on; the RL monitor watches them
+        # (flywheel/train/rl/monitor.py). Same signature as a reward; an episode passes when every one gives 1.
+        self.audits = [a if isinstance(a, Reward) else Reward(a) for a in audits]
         self.setup, self.teardown, self.solver = setup, teardown, solver
         self._task_from_messages = task_from_messages
         self.tool_sources = list(tool_sources)
@@ -476,6 +479,19 @@ class Env:
                 self.finish(state)
         return self._rubric(task, messages, state)
 
+    def audit(self, task: Task, messages: list[dict], state: object = None) -> dict[str, float] | None:
+        """Each audit check's value for a finished episode (None: the environment declares no audit checks)."""
+        if not self.audits:
+            return None
+        if state is None and self.setup is not None:  # replay the calls in a fresh state, as score does
+            state = self.start(task)
+            try:
+                self._replay(messages, state)
+                return self._checks(self.audits, task, messages, state, "audit")
+            finally:
+                self.finish(state)
+        return self._checks(self.audits, task, messages, state, "audit")
+
     def _replay(self, messages: list[dict], state: object) -> None:
         for message in messages:
             if message.get("role") != "assistant":
@@ -489,16 +505,7 @@ class Env:
                     continue  # the recorded result said so too; the rubric judges what the state became
 
     def _rubric(self, task: Task, messages: list[dict], state: object) -> Score:
-        breakdown = {}
-        for reward in self.rewards:
-            args = (task, messages, state) if _arity(reward.fn) >= 3 else (task, messages)
-            value = reward.fn(*args)
-            if isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, int | float) or math.isnan(value) or not 0.0 <= value <= 1.0:
-                raise RubricError(f"environment '{self.name}': reward '{reward.label}' returned {value!r} for task "
-                                  f"{task.task_id}; a reward must be a number in [0, 1]")
-            breakdown[reward.label] = float(value)
+        breakdown = self._checks(self.rewards, task, messages, state, "reward")
         total = sum(r.weight for r in self.rewards)
         reward = min(1.0, sum(r.weight * breakdown[r.label] for r in self.rewards) / total)
         if isinstance(self.passed, str):
@@ -506,6 +513,20 @@ class Env:
         else:
             passed = reward >= self.passed - 1e-9  # weights like 0.7 + 0.3 may sum to 0.999...
         return Score(reward=reward, passed=passed, breakdown=breakdown)
+
+    def _checks(self, checks: list[Reward], task: Task, messages: list[dict], state: object,
+                kind: str) -> dict[str, float]:
+        breakdown = {}
+        for check in checks:
+            args = (task, messages, state) if _arity(check.fn) >= 3 else (task, messages)
+            value = check.fn(*args)
+            if isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, int | float) or math.isnan(value) or not 0.0 <= value <= 1.0:
+                raise RubricError(f"environment '{self.name}': {kind} '{check.label}' returned {value!r} for task "
+                                  f"{task.task_id}; a {kind} must be a number in [0, 1]")
+            breakdown[check.label] = float(value)
+        return breakdown
 
     def solve(self, messages: list[dict], state: object = None) -> dict:
         """The scripted solver's next assistant message; NotImplementedError when the environment has none."""

@@ -142,7 +142,7 @@ def _champion_rules(candidate: pd.DataFrame, champion: pd.DataFrame, cfg: GateCo
     champ_score = float(_task_means(champion).mean())
     by_task = pairs.groupby("task_id", sort=True)[["reward", "reward_champion"]].mean()
     diff = paired_bootstrap(by_task["reward"].to_numpy(), by_task["reward_champion"].to_numpy(), **boot)
-    bound = cfg.margin if cfg.mode == "improve" else -cfg.margin
+    bound = cfg.margin if cfg.mode == "improve" else -cfg.margin  # cost_aware: non-inferior in quality
     numbers["champion"] = {"score": champ_score,
                            "pass_rate": float(champion["passed"].astype(float).mean())}
     numbers["diff"] = {"estimate": diff.estimate, "low": diff.low, "high": diff.high, "bound": bound}
@@ -153,6 +153,9 @@ def _champion_rules(candidate: pd.DataFrame, champion: pd.DataFrame, cfg: GateCo
         passed = False
         reasons.append(f"{rule} not shown: diff {diff.estimate:+.4f}, lower bound {diff.low:+.4f} "
                        f"does not exceed {bound:+.4f}")
+
+    if cfg.mode == "cost_aware":
+        passed = _cost_rule(candidate, champion, cfg, boot, reasons, numbers) and passed
 
     slices = {}
     for name, rows in pairs.groupby("slice", sort=True):
@@ -171,10 +174,51 @@ def _champion_rules(candidate: pd.DataFrame, champion: pd.DataFrame, cfg: GateCo
     return GateDecision(passed, reasons, numbers)
 
 
-def decide(candidate: pd.DataFrame, champion: pd.DataFrame | None, cfg: GateConfig) -> GateDecision:
-    """Apply the gate rules; never raises: any error is a failed decision that says what went wrong."""
+def _cost_rule(candidate: pd.DataFrame, champion: pd.DataFrame, cfg: GateConfig, boot: dict, reasons: list[str],
+               numbers: dict) -> bool:
+    """cost_aware: the candidate's relative saving in mean cost_metric per task, 1 - candidate / champion, must
+    have a paired-bootstrap lower bound of at least min_token_saving."""
+    column = cfg.cost_metric
+    missing = [who for who, frame in (("candidate", candidate), ("champion", champion)) if column not in frame.columns]
+    if missing:
+        reasons.append(f"cost_aware gate: the {' and '.join(missing)} eval table has no '{column}' column")
+        return False
+    cost = candidate[KEY + [column]].merge(champion[KEY + [column]], on=KEY, suffixes=("", "_champion"))
+    by_task = cost.groupby("task_id", sort=True)[[column, f"{column}_champion"]].mean().astype(np.float64)
+    champion_mean = float(by_task[f"{column}_champion"].mean())
+    if not champion_mean > 0:
+        reasons.append(f"cost_aware gate: the champion's mean {column} is {champion_mean}: no saving to measure")
+        return False
+    diff = paired_bootstrap(by_task[f"{column}_champion"].to_numpy(), by_task[column].to_numpy(), **boot)
+    # the saving relative to the champion's mean: the paired interval of the difference, scaled
+    saving = {"metric": column, "candidate": float(by_task[column].mean()), "champion": champion_mean,
+              "saved": diff.estimate, "saved_low": diff.low, "saved_high": diff.high,
+              "saving": diff.estimate / champion_mean, "low": diff.low / champion_mean,
+              "high": diff.high / champion_mean, "min_saving": cfg.min_token_saving}
+    numbers["cost"] = saving
+    if saving["low"] >= cfg.min_token_saving - _TOLERANCE:
+        reasons.append(f"cheaper: mean {column} {saving['candidate']:.4g} vs champion {champion_mean:.4g}, saving "
+                       f"{saving['saving']:.1%} (lower bound {saving['low']:.1%}) >= min_token_saving "
+                       f"{cfg.min_token_saving:.1%}")
+        return True
+    reasons.append(f"not cheaper enough: mean {column} {saving['candidate']:.4g} vs champion {champion_mean:.4g}, "
+                   f"saving {saving['saving']:.1%} (lower bound {saving['low']:.1%}) < min_token_saving "
+                   f"{cfg.min_token_saving:.1%}")
+    return False
+
+
+def decide(candidate: pd.DataFrame, champion: pd.DataFrame | None, cfg: GateConfig,
+           flags: list[str] | tuple[str, ...] = ()) -> GateDecision:
+    """Apply the gate rules; never raises: any error is a failed decision that says what went wrong.
+
+    flags: reasons the candidate is refused whatever its scores (the RL reward-hacking monitor's verdict).
+    """
     try:
         decision = _decide(candidate, champion, cfg)
+        if flags:
+            decision.passed = False
+            decision.reasons.extend(f"flagged: {flag}" for flag in flags)
+            decision.numbers["flags"] = list(flags)
         # Last line of defence: a NaN that slipped through must not read as a pass.
         if decision.passed and not all(math.isfinite(v) for v in _floats(decision.numbers)):
             reasons = decision.reasons + ["a gate number is NaN or infinite"]

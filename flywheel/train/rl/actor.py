@@ -132,14 +132,23 @@ class ActorPool:
                                             board, self.stop_event, device))
                           for i in range(n)]
 
-    def start(self, work: list[Work]) -> None:
-        """Dispatch the run's work (actors take it in step order) and start the processes."""
+    def start(self, work: list[Work], final: bool = True) -> None:
+        """Dispatch work (actors take it in step order) and start the processes; final: no more work follows."""
         for item in work:
             self.work.put(item)
-        for _ in self.processes:
-            self.work.put(None)
+        if final:
+            self.finish()
         for process in self.processes:
             process.start()
+
+    def dispatch(self, item: Work) -> None:
+        """One more step's work (difficulty filtering draws it once the outcomes it depends on are learned)."""
+        self.work.put(item)
+
+    def finish(self) -> None:
+        """No more work: each actor stops once the queue is empty."""
+        for _ in self.processes:
+            self.work.put(None)
 
     def check(self) -> None:
         """Raise if an actor died without reporting (killed, out of memory)."""

@@ -22,8 +22,9 @@ from flywheel.train.checkpoint import save_student
 
 FINGERPRINT = "fingerprint.json"
 # How the work is spread over processes and threads changes no result a checkpoint holds.
+# Nor does the monitor: greedy audits draw no random numbers and train on nothing.
 _EXECUTION_KEYS = {"steps", "checkpoint_every", "actors", "learner_threads", "actor_threads", "generation",
-                   "actor_devices"}
+                   "actor_devices", "monitor_every", "monitor_tasks", "max_audit_drop"}
 
 
 def fingerprint(model_dir: Path, tasks: list[Task], cfg: RLConfig, env_name: str, max_turns: int) -> str:
@@ -34,7 +35,9 @@ def fingerprint(model_dir: Path, tasks: list[Task], cfg: RLConfig, env_name: str
             if file.is_file() and file.name.endswith((".safetensors", ".json", ".jinja")):
                 digest.update(file.name.encode() + file.read_bytes())
     digest.update(json.dumps([t.task_id for t in tasks]).encode())
-    digest.update(json.dumps(cfg.model_dump(exclude=_EXECUTION_KEYS), sort_keys=True).encode())
+    # a decaying learning rate ends at the last step: there the number of steps changes every step's rate
+    execution = _EXECUTION_KEYS - ({"steps"} if cfg.lr_schedule != "constant" else set())
+    digest.update(json.dumps(cfg.model_dump(exclude=execution), sort_keys=True).encode())
     digest.update(f"{env_name}:{max_turns}".encode())
     return digest.hexdigest()[:16]
 
@@ -50,6 +53,7 @@ class Resumed:
     rows: list[dict]
     history: list[dict]
     behaviour: dict[int, dict[str, torch.Tensor]]  # older versions later steps are generated with, by version
+    monitor: list[dict]  # the reward-hacking monitor's checks so far (its baseline is the first)
 
 
 class Checkpoints:
@@ -74,16 +78,18 @@ class Checkpoints:
         state = torch.load(path / "state.pt", weights_only=True)
         extra = json.loads((path / "progress.json").read_text())
         return Resumed(int(path.name.split("-")[1]), path / "model", state["optimizer"], state["shuffle"],
-                       extra["rows"], extra["history"], state["behaviour"])
+                       extra["rows"], extra["history"], state["behaviour"], extra.get("monitor", []))
 
     def save(self, step: int, model, tokenizer, optimizer, shuffle: torch.Generator, rows: list[dict],
-             history: list[dict], behaviour: dict[int, dict[str, torch.Tensor]]) -> Path:
+             history: list[dict], behaviour: dict[int, dict[str, torch.Tensor]],
+             monitor: list[dict] | None = None) -> Path:
         """Write the state after `step` steps: a temporary folder renamed into place, so a kill leaves none half."""
         final = self.folder / f"step-{step}"
         partial = self.folder / f".step-{step}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         save_student(model, tokenizer, partial / "model")
-        (partial / "progress.json").write_text(json.dumps({"rows": rows, "history": history}))
+        (partial / "progress.json").write_text(json.dumps({"rows": rows, "history": history,
+                                                              "monitor": monitor or []}))
         torch.save({"optimizer": optimizer.state_dict(), "shuffle": shuffle.get_state(), "behaviour": behaviour},
                    partial / "state.pt")
         shutil.rmtree(final, ignore_errors=True)

@@ -83,6 +83,9 @@ class InProcess:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Nothing to send: this process generates from the live model or a kept snapshot."""
 
+    def dispatch(self, item: Work, final: bool) -> None:
+        """Nothing to send: take() is handed each step's work."""
+
     def close(self) -> None:
         """Nothing to stop."""
 
@@ -91,7 +94,7 @@ class Actors:
     """`actors: N`: processes generate ahead of the learner, from the weights it publishes on a board."""
 
     def __init__(self, model_dir: Path, env: Environment, model: torch.nn.Module, cfg: RLConfig, max_turns: int,
-                 snapshots: Snapshots, first: int, work: list[Work], device: str):
+                 snapshots: Snapshots, first: int, work: list[Work], device: str, final: bool = True):
         ctx = torch.multiprocessing.get_context("spawn")  # fork with torch threads running is unsafe
         self.cfg = cfg
         self.board = WeightBoard(model.state_dict(), ctx, slots=cfg.max_staleness + 1)
@@ -101,7 +104,7 @@ class Actors:
         # Room for every group the staleness bound lets the actors make ahead of the learner.
         size = (cfg.max_staleness + 1) * cfg.tasks_per_step * cfg.actors
         self.pool = ActorPool(cfg.actors, Path(model_dir), env, cfg, max_turns, self.board, ctx, size, device)
-        self.pool.start(work)
+        self.pool.start(work, final)
         self.buffer = RolloutBuffer(self.pool.buffer, cfg.max_staleness, self.pool.check)
 
     def take(self, item: Work, learn_s: float) -> tuple[list[Group], list[Group], float]:
@@ -111,6 +114,12 @@ class Actors:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Put the learner's new weights on the board for the actors."""
         self.board.publish(model.state_dict(), version)
+
+    def dispatch(self, item: Work, final: bool) -> None:
+        """Queue one more step's work for the actors; final: it is the run's last."""
+        self.pool.dispatch(item)
+        if final:
+            self.pool.finish()
 
     def close(self) -> None:
         """Stop the actor processes."""

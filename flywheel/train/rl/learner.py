@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flywheel.config import RLConfig
 from flywheel.train.rl.loss import k3_kl, policy_loss, token_logprobs
 
 _MAXIMA = ("ratio_max", "is_weight_max", "grad_norm_max")
+
+
+def learning_rate(cfg: RLConfig, step: int) -> float:
+    """The learning rate of learner step `step` under cfg.lr_schedule (warm-up, then constant or decaying)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(cfg.steps - 1 - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1.0 - progress
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape)
 
 
 @torch.no_grad()

@@ -27,8 +27,9 @@ from flywheel.metrics import RL_LAST_REWARD, RL_REWARD
 from flywheel.train.rl.batch import Group, advantages_of, collate, samples_of
 from flywheel.train.rl.checkpoints import Checkpoints, fingerprint
 from flywheel.train.rl.generation import Actors, InProcess, Snapshots
-from flywheel.train.rl.learner import learn_on_batch
-from flywheel.train.rl.source import task_stream, work_items
+from flywheel.train.rl.learner import learn_on_batch, learning_rate
+from flywheel.train.rl.monitor import Monitor
+from flywheel.train.rl.source import Work, filtered_work, task_stream, work_items
 
 __all__ = ["task_stream", "train_rl"]
 
@@ -59,6 +60,7 @@ class _Start:
     rows: list[dict] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)
     behaviour: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # versions kept for generation
+    monitor: list[dict] = field(default_factory=list)  # the reward-hacking monitor's checks so far
 
 
 def _start(model_dir: Path, cfg: RLConfig, checkpoints: Checkpoints, device: str) -> _Start:
@@ -77,7 +79,7 @@ def _start(model_dir: Path, cfg: RLConfig, checkpoints: Checkpoints, device: str
     optimizer.load_state_dict(resumed.optimizer)
     shuffle.set_state(resumed.shuffle)
     return _Start(resumed.step, model, tokenizer, reference, optimizer, shuffle, resumed.rows, resumed.history,
-                  resumed.behaviour)
+                  resumed.behaviour, resumed.monitor)
 
 
 @dataclass
@@ -101,11 +103,14 @@ class _Timing:
 
 def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig, out_dir: Path,
              max_turns: int, on_step: Callable[[int, dict], None] | None = None,
-             checkpoint_dir: Path | None = None, device: str = "auto") -> tuple[list[dict], dict]:
+             checkpoint_dir: Path | None = None, device: str = "auto",
+             monitor: Monitor | None = None) -> tuple[list[dict], dict]:
     """GRPO-family RL from the checkpoint in model_dir; saves to out_dir; returns (rollout rows, summary).
 
     Checkpoints go to checkpoint_dir (default: `rl-checkpoints` beside out_dir); a killed run resumes there.
     device: the learner's (student.device; auto: CUDA when present); each actor's is cfg.actor_devices[i] or it.
+    monitor: audits the live policy every cfg.monitor_every steps (flywheel/train/rl/monitor.py); its checks
+    stay on it for the caller's report, and its numbers join the step metrics and the summary.
     """
     from flywheel.devices import resolve_device
     from flywheel.train.checkpoint import save_student
@@ -119,29 +124,47 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     run = _start(model_dir, cfg, checkpoints, learner_device)
     model, tokenizer, rows, history = run.model, run.tokenizer, run.rows, run.history
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    work = work_items(tasks, cfg.tasks_per_step, cfg.seed, run.first, cfg.steps)
+    if cfg.difficulty_filter:  # the steps whose draw depends only on outcomes learned before this run's first
+        ahead = range(run.first, min(run.first + cfg.max_staleness + 1, cfg.steps))
+        work = [filtered_work(tasks, cfg, s, rows) for s in ahead]
+    else:
+        work = work_items(tasks, cfg.tasks_per_step, cfg.seed, run.first, cfg.steps)
+    pending = {item.step: item for item in work}
     snapshots = Snapshots(cfg.max_staleness, model, run.first, run.behaviour)
-    source = (Actors(model_dir, env, model, cfg, max_turns, snapshots, run.first, work, device) if cfg.actors
+    source = (Actors(model_dir, env, model, cfg, max_turns, snapshots, run.first, work, device,
+                     final=len(work) == cfg.steps - run.first) if cfg.actors
               else InProcess(env, model, tokenizer, cfg, max_turns, snapshots, run.first))
+    watch = _Watch(monitor, model, tokenizer, run.monitor)
+    if run.first == 0:
+        watch.check(0, history)
 
     timing.steps_started = time.perf_counter()
     learn_s = 0.0
     try:
-        for item in work:
-            step = version = item.step  # the learner's weights at this step are version `step`
+        for step in range(run.first, cfg.steps):
+            version = step  # the learner's weights at this step are version `step`
+            item: Work = pending.pop(step)
             groups, stale, wait_s = source.take(item, learn_s)
             learning = time.perf_counter()
+            for group in run.optimizer.param_groups:
+                group["lr"] = learning_rate(cfg, step)
             advantages, stats = _learn(model, run, groups, cfg, pad_id)
             snapshots.add(model, version + 1)
             source.publish(model, version + 1)
             everything = sorted(groups + stale, key=lambda g: g.index)
             rows.extend(_rows(step, version, everything, advantages, {g.index for g in stale}))
+            following = step + cfg.max_staleness + 1  # its draw needed this step's outcomes
+            if cfg.difficulty_filter and following < cfg.steps:
+                pending[following] = filtered_work(tasks, cfg, following, rows)
+                source.dispatch(pending[following], final=following == cfg.steps - 1)
             learn_s = time.perf_counter() - learning
             metrics = _metrics(groups, stale, stats, cfg, wait_s, learn_s, version + 1)
+            metrics["lr"] = learning_rate(cfg, step)
             history.append(metrics)
+            metrics |= watch.check(version + 1, history)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 checkpoints.save(step + 1, model, tokenizer, run.optimizer, run.shuffle, rows, history,
-                                 snapshots.up_to(step))
+                                 snapshots.up_to(step), watch.checks)
             timing.add(groups + stale, wait_s, learn_s)
             if on_step:
                 on_step(step, metrics)
@@ -151,7 +174,34 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
 
     save_student(model, tokenizer, out_dir)
     checkpoints.remove()
-    return rows, _summary(cfg, rows, history, timing, run.first)
+    return rows, _summary(cfg, rows, history, timing, run.first) | watch.summary(history)
+
+
+class _Watch:
+    """The monitor, if any, run on the learner's live weights (greedy: no random numbers drawn)."""
+
+    def __init__(self, monitor: Monitor | None, model: torch.nn.Module, tokenizer, checks: list[dict]):
+        self.monitor = monitor
+        if monitor is not None:
+            from flywheel.policies.hf import HFPolicy
+
+            monitor.checks = list(checks)  # a resumed run keeps its baseline
+            self.policy = HFPolicy(model, tokenizer)
+
+    @property
+    def checks(self) -> list[dict]:
+        """The checks so far (what a checkpoint keeps)."""
+        return self.monitor.checks if self.monitor is not None else []
+
+    def check(self, version: int, history: list[dict]) -> dict:
+        """The monitor's metrics when `version` is due for an audit; else none."""
+        if self.monitor is None or not self.monitor.due(version):
+            return {}
+        return self.monitor.check(version, self.policy, history)
+
+    def summary(self, history: list[dict]) -> dict:
+        """The monitor's numbers for the run summary."""
+        return self.monitor.summary(history) if self.monitor is not None else {}
 
 
 def _learn(model: torch.nn.Module, run: _Start, groups: list[Group], cfg: RLConfig,
