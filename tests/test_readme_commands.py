@@ -70,7 +70,9 @@ NOT_RUN = {
 RUN_HERE = ["flywheel check", "flywheel status demo"]
 # What each make target's recipe must call.
 MAKE_CALLS = {"demo": ["flywheel run demo"], "test": ["pytest -q"], "test-fast": ['pytest -q -m "not slow"'],
-              "bench": ["benchmarks/"]}
+              "bench": ["benchmarks/"], "smol": ["flywheel run smol"],
+              # only installs (nothing to print once the venv has the extra): that `make -n` works is the check
+              "smol-setup": []}
 # Subcommands whose --help the help rule reads; a tool command naming another one is unclassified.
 TOOL_SUBCOMMANDS = ["prefect server start", "prefect worker start", "prefect work-pool create", "mlflow ui",
                     "mlflow server", "dvc remote add", "dvc remote modify", "dvc pull", "dvc push", "dvc repro",
@@ -95,6 +97,8 @@ FIGURES = {
     "demo_student.py": {"base_pass_rate", "sft_pass_rate", "sft_runtime_s", "sft_tokens_per_s"},
     "rl_gain.py": {"sft_pass_rate", "rl_pass_rate", "diff", "gate_passed"},
     "gpu_check.py": {"mode", "sft_full", "sft_lora", "sft_qlora", "rl", "evaluate", "wall_s"},
+    "smol.py": {"steps", "batch_size", "stage_tokens_per_s", "bare_trl_tokens_per_s", "ratio", "harness_tokens_per_s",
+                "bare_generate_tokens_per_s", "generate_ratio"},
     "serve.py": {"requests", "server_requests_per_s", "server_mean_latency_s", "generate_requests_per_s",
                  "generate_mean_latency_s", "ratio"},
 }

@@ -81,3 +81,81 @@ def test_an_unknown_template_without_a_configured_one_fails_naming_the_family(ro
     trainer, _, _ = build_sft_trainer(base, rows, tmp_path / "sft", small(), chat_template=marked)
     assert trainer.processing_class.chat_template == llama3_training_chat_template
     assert any(label != -100 for label in trainer.train_dataset[0]["labels"])
+
+
+def _render(template: str, conversations: list[list[dict]], tools=None, generation_prompt=False) -> list[str]:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(conversations=[canonical_messages(c) for c in conversations], tools=tools,
+                                        chat_template=template, add_generation_prompt=generation_prompt)
+    return rendered
+
+
+PLAIN_CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Name a prime.\nJust one."}, {"role": "assistant", "content": "7"}],
+    [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Bonjour"},
+     {"role": "assistant", "content": "Bonjour !"}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "{{ not a template }} <|im_end|>"}],
+]
+
+
+@pytest.mark.parametrize("generation_prompt", [False, True])
+def test_smollm2_training_variant_renders_conversations_without_tools_exactly_as_the_original(generation_prompt):
+    from flywheel.train.templates import SMOLLM2_TEMPLATE, SMOLLM2_TRAINING_TEMPLATE
+
+    original = _render(SMOLLM2_TEMPLATE, PLAIN_CONVERSATIONS, generation_prompt=generation_prompt)
+    variant = _render(SMOLLM2_TRAINING_TEMPLATE, PLAIN_CONVERSATIONS, generation_prompt=generation_prompt)
+    assert variant == original
+    assert original[0].startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+def test_smollm2_training_variant_adds_only_the_tools_and_the_calls_the_harness_parses(rows):
+    from flywheel.policies.toolcalls import TOOL_CALL, parse_completion, render_tool_call
+    from flywheel.train.templates import SMOLLM2_TEMPLATE, SMOLLM2_TRAINING_TEMPLATE
+
+    row = next(r for r in rows if any(m.get("tool_calls") for m in r["messages"]))
+    [text] = _render(SMOLLM2_TRAINING_TEMPLATE, [row["messages"]], tools=row["tools"])
+    calls = [c for m in row["messages"] if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+    system, turns = text[:text.index("<|im_end|>")], text[text.index("<|im_end|>"):]
+    assert calls and [m.group(0) for m in TOOL_CALL.finditer(turns)] == [render_tool_call(c) for c in calls]
+    assert '{"name": "calculator", "description": "Evaluate an' in system  # the tool's schema, then how to call
+
+    # The non-tool part: drop the tools block and the calls, and what is left is the original's rendering of the
+    # same messages with the calls removed (the original writes no calls and cannot take content None).
+    tools_block = system[system.index("\n\nYou can call these tools:"):]
+    plain = [{**m, "content": m.get("content") or ""} for m in row["messages"]]
+    for message in plain:
+        message.pop("tool_calls", None)
+    [original] = _render(SMOLLM2_TEMPLATE, [plain])
+    assert system.removesuffix(tools_block) + TOOL_CALL.sub("", turns) == original
+
+    # What the student writes in a turn with a call, the harness reads back as that call.
+    turn = turns.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert parse_completion(turn).message["tool_calls"][0]["function"] == calls[0]["function"]
+
+
+def test_smollm2_template_gets_the_shipped_training_variant_and_masks_each_assistant_turn(rows):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from flywheel.policies.toolcalls import render_tool_call
+    from flywheel.train.checkpoint import encode_conversation
+    from flywheel.train.templates import SMOLLM2_TEMPLATE, SMOLLM2_TRAINING_TEMPLATE
+
+    # A character-level tokenizer with SmolLM2's template: enough to check the choice and the mask, no download.
+    chars = sorted({c for r in rows for c in _render(SMOLLM2_TRAINING_TEMPLATE, [r["messages"]], r["tools"])[0]})
+    backend = Tokenizer(models.WordLevel({c: i for i, c in enumerate(["<unk>", *chars])}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = SMOLLM2_TEMPLATE
+    assert training_template(tokenizer, "smollm2", "llama") == SMOLLM2_TRAINING_TEMPLATE
+
+    row = rows[0]
+    ids, mask = encode_conversation(tokenizer, row["messages"], row["tools"], 1 << 20, SMOLLM2_TRAINING_TEMPLATE)
+    trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)
+    answers = [m["content"] + "".join(render_tool_call(c) for c in m.get("tool_calls") or []) + "<|im_end|>"
+               for m in row["messages"] if m["role"] == "assistant"]
+    assert trained.replace(" ", "") == "".join(answers).replace(" ", "")

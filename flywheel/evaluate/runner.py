@@ -17,14 +17,17 @@ class ContaminationError(RuntimeError):
 
 def evaluate_model(model_dir: Path, env: Environment, tasks: list[Task], label: str, *, max_turns: int,
                    tool_timeout_s: float, batch_size: int, samples: int = 0, temperature: float = 1.0,
-                   seed: int = 0, device: str = "auto") -> list[dict]:
+                   seed: int = 0, device: str = "auto", chat_template: str | None = None) -> list[dict]:
     """Rows of the eval table: a greedy episode per task (sample 0), then `samples` seeded sampled ones (1..k).
 
-    device: student.device (auto: a CUDA GPU when one is visible, else the CPU).
+    device: student.device (auto: a CUDA GPU when one is visible, else the CPU); chat_template: rendered with in
+    place of the checkpoint's own (a base judged in its trained versions' format).
     """
     from flywheel.policies.hf import HFPolicy
 
     policy = HFPolicy(model_dir, batch_size=batch_size, device=device)
+    if chat_template:
+        policy.tokenizer.chat_template = chat_template
     episodes = run_episodes(env, policy, tasks, samples=1, sampling=Sampling(temperature=0.0),
                             max_turns=max_turns, tool_timeout_s=tool_timeout_s)
     if samples:

