@@ -161,3 +161,23 @@ def test_killed_run_resumes_from_its_last_checkpoint(tiny_student, tasks, tmp_pa
     assert resumed["rows"] == whole
     a, b = weights(load_student(tmp_path / "models" / "rl")[0]), weights(load_student(tmp_path / "whole")[0])
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class CountingCalculator(GradedCalculator):
+    """Counts each episode it scores, as a tool's error would be: in whichever process scores it."""
+
+    def score(self, task, messages):
+        self.count("scored")
+        return super().score(task, messages)
+
+
+def test_the_actors_environment_counts_reach_the_stages_environment(tiny_student, tasks, tmp_path):
+    """Tool errors, timeouts, ... counted by an actor process's copy of the environment are added to the
+    learner's (the one the stage logs as env.<counter>), exactly as an in-process run counts them."""
+    cfg = CFG.model_copy(update={"max_staleness": 1})
+    in_process, in_actors = CountingCalculator(), CountingCalculator()
+    train_rl(tiny_student, in_process, tasks, cfg.model_copy(update={"actors": 0}), tmp_path / "sync", 1)
+    train_rl(tiny_student, in_actors, tasks, cfg.model_copy(update={"actors": 1}), tmp_path / "async", 1)
+    rollouts = cfg.steps * cfg.tasks_per_step * cfg.group_size
+    assert in_process.counters["scored"] == rollouts
+    assert in_actors.counters == in_process.counters

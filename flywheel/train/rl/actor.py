@@ -80,6 +80,7 @@ def actor_main(actor: int, model_dir: str, env: Environment, cfg: RLConfig, max_
         policy, tokenizer = actor_policy(cfg.generation, Path(model_dir),
                                          actor_device(device, cfg.actor_devices, actor))
         version, idle = -1, 0.0
+        counted: dict[str, int] = {}
         while wanted():
             waited = time.perf_counter()
             try:
@@ -101,6 +102,10 @@ def actor_main(actor: int, model_dir: str, env: Environment, cfg: RLConfig, max_
             generate_s = time.perf_counter() - started
             for group in groups:
                 group.actor, group.generate_s, group.idle_s = actor, generate_s / len(groups), idle / len(groups)
+            counts = dict(getattr(env, "counters", None) or {})
+            if groups:
+                groups[0].env_counts = {k: n - counted.get(k, 0) for k, n in counts.items() if n != counted.get(k, 0)}
+                counted = counts
             idle = 0.0
             waited = time.perf_counter()
             for group in groups:  # a full buffer blocks the actor: that is the bound

@@ -55,6 +55,9 @@ class Group:
     actor: int = 0  # -1: generated in the learner's own process
     generate_s: float = 0.0  # the actor's generation time, this group's share
     idle_s: float = 0.0  # the actor's waiting time (for weights, for buffer room), this group's share
+    # An actor process's environment counts (tool errors, timeouts, ...) since its last group: the stage logs
+    # the counters of its own environment object, which an actor's copy never touches.
+    env_counts: dict[str, int] | None = None
 
 
 @dataclass

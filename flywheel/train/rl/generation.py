@@ -96,7 +96,7 @@ class Actors:
     def __init__(self, model_dir: Path, env: Environment, model: torch.nn.Module, cfg: RLConfig, max_turns: int,
                  snapshots: Snapshots, first: int, work: list[Work], device: str, final: bool = True):
         ctx = torch.multiprocessing.get_context("spawn")  # fork with torch threads running is unsafe
-        self.cfg = cfg
+        self.cfg, self.env = cfg, env
         self.board = WeightBoard(model.state_dict(), ctx, slots=cfg.max_staleness + 1)
         for held in sorted(snapshots.versions):
             self.board.publish(snapshots.versions[held], held)
@@ -109,7 +109,12 @@ class Actors:
 
     def take(self, item: Work, learn_s: float) -> tuple[list[Group], list[Group], float]:
         """(fresh groups, stale groups dropped, seconds waited) of step item.step, the learner's version."""
-        return self.buffer.take(item.step, self.cfg.tasks_per_step, item.step)
+        fresh, stale, waited = self.buffer.take(item.step, self.cfg.tasks_per_step, item.step)
+        count = getattr(self.env, "count", None)
+        for group in fresh + stale if count else []:  # the actors' tool errors etc. join the stage's counters
+            for key, n in (group.env_counts or {}).items():
+                count(key, n)
+        return fresh, stale, waited
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Put the learner's new weights on the board for the actors."""
