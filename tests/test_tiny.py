@@ -152,3 +152,21 @@ def test_load_student_says_what_is_wrong(tmp_path, tiny_student):
     (broken / "chat_template.jinja").unlink(missing_ok=True)
     with pytest.raises(CheckpointError, match="no chat template"):
         load_student(broken)
+
+
+def test_isolated_spaces_make_a_word_one_token_after_a_space_or_a_quote():
+    """The support desk's email: `Hi! yara.fox@...` in the message, `"yara.fox@..."` in the tool call. By default
+    the word after a space is another token (with the space) than after a quote; with isolate_spaces it is one."""
+    from flywheel.train.tiny import train_tokenizer
+
+    corpus = [f'Hi! {name}.fox@mail.com here. {{"email": "{name}.fox@mail.com"}}' for name in
+              ["yara", "leo", "ana", "hugo"] * 20]
+
+    def pieces(tok, text):
+        return tok.convert_ids_to_tokens(tok(text)["input_ids"])
+
+    plain, isolated = train_tokenizer(corpus, 400), train_tokenizer(corpus, 400, isolate_spaces=True)
+    assert "yara" not in pieces(plain, "Hi! yara") and "yara" in pieces(plain, '"yara')
+    assert "yara" in pieces(isolated, "Hi! yara") and "yara" in pieces(isolated, '"yara')
+    for text in ['Hi! yara.fox@mail.com here. {"email": "yara.fox@mail.com"}', "order W9906, total 68.45"]:
+        assert isolated.decode(isolated(text)["input_ids"]) == text  # nothing lost: spaces come back
