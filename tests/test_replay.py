@@ -208,6 +208,56 @@ def test_the_rubric_parts(collected):
     assert unanswered.breakdown["facts"] == 0.0
 
 
+def test_the_judge_part_weighs_in_and_an_unparseable_verdict_scores_zero(collected, openai_server):
+    import re
+
+    root, _ = collected
+    config = pipeline(replay={"judge": {"model": "judge", "base_url": openai_server.url, "weight": 1.0}})
+    (root / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"bank": config}}))
+    env = load_environment(load_pipeline("bank", root / "pipelines.yaml").environment, root, "bank")
+    traces = {prompt_hash(json.loads(m)[:2]): json.loads(m) for m in Catalog(root, "bank").read("traces")["messages"]}
+    # a transfer whose conversation goes on with a second request: the judge must see the first answer
+    task = next(t for t in env.recorded_tasks if t.slice == "replay/bank" and any(
+        c[0] == "transfer_funds" for c in t.data["calls"]) and sum(
+        m["role"] == "user" for m in traces[t.task_id]) == 2)
+    recorded = traces[task.task_id]
+    reference = task.data["final"]
+
+    asked = []  # (reference, answer) as the judge read them
+
+    def judge(messages):
+        prompt = messages[-1]["content"]
+        given = re.search(r"^Reference answer: (.*)$", prompt, re.MULTILINE).group(1)
+        final = re.search(r"^Assistant's answer: (.*)$", prompt, re.MULTILINE).group(1)
+        asked.append((json.loads(given), final))
+        if final == reference:
+            return "Same transfer, same figures.\nSCORE: 1"
+        return "It says less.\nSCORE: 0.25" if final == "Done, the money was moved." else "hard to say"
+
+    openai_server.judge = judge
+    answer_at = max(i for i, m in enumerate(recorded) if m["role"] == "assistant" and m.get("content") == reference)
+
+    def answered(text: str) -> list[dict]:
+        return recorded[:answer_at] + [{"role": "assistant", "content": text}] + recorded[answer_at + 1:]
+
+    whole = env.score(task, recorded)
+    assert whole.breakdown == {"writes": 1.0, "facts": 1.0, "judge": 1.0} and whole.reward == 1.0 and whole.passed
+    vague = env.score(task, answered("Done, the money was moved."))
+    # (writes 0.5 * 1 + facts 0.5 * 0 + judge 1.0 * 0.25) / 2
+    assert vague.breakdown == {"writes": 1.0, "facts": 0.0, "judge": 0.25} and vague.reward == 0.375
+    unparseable = env.score(task, answered(reference + " Anything else?"))
+    assert unparseable.breakdown == {"writes": 1.0, "facts": 1.0, "judge": 0.0} and unparseable.reward == 0.5
+    assert not unparseable.passed
+    no_answer = env.score(task, recorded[:answer_at])
+    assert no_answer.breakdown["judge"] == 0.0 and no_answer.reward == 0.25
+    assert {given for given, _ in asked} == {reference}
+    counters = env.counters
+    assert counters["judge_calls"] == 3 and counters["judge_unparseable"] == 1, counters
+    assert openai_server.answers == 3, "no answer, no question to the judge"
+    again = env.score(task, recorded)  # a rescore is answered from the judge's cache under the project root
+    assert again.reward == 1.0 and openai_server.answers == 3 and (root / ".flywheel/judge-cache.sqlite").exists()
+
+
 def test_rejected_traces_can_be_inverted_eval_tasks(tmp_path, mlflow_store):
     from tasks.collect import collect
 

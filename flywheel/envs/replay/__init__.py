@@ -24,7 +24,15 @@ from flywheel.config import ReplayConfig
 from flywheel.envs.base import Environment, Score, Task, ToolError, prompt_hash
 from flywheel.envs.replay.matching import Call, Matcher, describe
 from flywheel.envs.replay.record import UnusableRecord, infer_tools, read_record
-from flywheel.envs.replay.rubric import JUDGE_TEMPLATE, combine, facts_stated, final_answer, model_calls, writes_made
+from flywheel.envs.replay.rubric import (
+    JUDGE_TEMPLATE,
+    combine,
+    exchange,
+    facts_stated,
+    final_answer,
+    model_calls,
+    writes_made,
+)
 
 NAME = "replay"
 
@@ -213,8 +221,11 @@ class ReplayEnv:
                  "facts": facts_stated(data["facts"], answer)}
         weights = {"writes": self.cfg.writes_weight, "facts": self.cfg.facts_weight}
         if self._judge is not None:
+            # the judge sees the exchange the rubric scores: a recorded conversation goes on after its first
+            # answer, and the judge's {final} (the last assistant message) would otherwise be a later one
             reference = Task(task.task_id, task.env, task.prompt, json.dumps(data["final"]), task.slice, task.split)
-            parts["judge"] = float(self._judge(reference, messages)) if answer is not None else 0.0
+            scored = task.prompt + exchange(task, messages)
+            parts["judge"] = float(self._judge(reference, scored)) if answer is not None else 0.0
             weights["judge"] = self.cfg.judge.weight
         return combine(parts, weights, inverted=data["outcome"] == "rejected")
 
