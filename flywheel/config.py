@@ -120,7 +120,8 @@ class StudentConfig(Section):
 
 
 class TeacherConfig(Section):
-    policy: Literal["oracle", "openai", "vllm", "hf"] = "oracle"
+    # none: no teacher at all; the accepted traces are the only targets (synthesize.include_accepted_traces)
+    policy: Literal["oracle", "openai", "vllm", "hf", "none"] = "oracle"
     # openai: the served model name; vllm and hf: a checkpoint folder or hub id
     model: str | None = None
     # e.g. http://localhost:8000/v1 (vLLM's server); unset: the client's default (OPENAI_BASE_URL or OpenAI's)
@@ -158,7 +159,7 @@ class TeacherConfig(Section):
 
     @model_validator(mode="after")
     def _usable(self) -> TeacherConfig:
-        if self.policy != "oracle" and not self.model:
+        if self.policy not in ("oracle", "none") and not self.model:
             raise ValueError(f"teacher policy '{self.policy}' needs 'model' (the served model name, "
                              "or a checkpoint for vllm and hf)")
         if self.policy != "oracle" and (self.error_rate or self.error_slices):
@@ -485,7 +486,11 @@ class PipelineConfig(Section):
     def _teacher_can_teach(self) -> PipelineConfig:
         if self.environment.replay is not None and self.teacher.policy == "oracle":
             raise ValueError("teacher.policy: the oracle cannot teach replay tasks (a recorded trace has no "
-                             "scripted solver); use `policy: openai` (any OpenAI-compatible endpoint)")
+                             "scripted solver); use `policy: openai` (any OpenAI-compatible endpoint), or "
+                             "`policy: none` to train on the accepted traces alone")
+        if self.teacher.policy == "none" and not self.synthesize.include_accepted_traces:
+            raise ValueError("teacher.policy none: without a teacher the accepted traces are the only SFT "
+                             "targets; set synthesize.include_accepted_traces: true")
         return self
 
     def section_hash(self, *names: str) -> str:

@@ -42,6 +42,8 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
         sampling = Sampling(temperature=cfg.synthesize.temperature, top_p=cfg.synthesize.top_p,
                             max_new_tokens=cfg.synthesize.max_new_tokens, seed=cfg.environment.seed)
         teacher = build_teacher(cfg.teacher, env, stage.root)
+        if teacher is None:  # teacher.policy none: the accepted traces are the targets, nothing is sampled
+            tasks = []
         meter = Meter(stage.run, len(tasks) * n, cfg.teacher)
         per_chunk = max(1, max(CHUNK, 8 * cfg.teacher.concurrency) // n)
         episodes: list[Episode] = []
@@ -79,8 +81,11 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
         return stage.done(metrics)
 
 
-def build_teacher(cfg: TeacherConfig, env: Environment, root: Path) -> Policy:
-    """The teacher policy the config names; the openai one reads its key from the variable named, here only."""
+def build_teacher(cfg: TeacherConfig, env: Environment, root: Path) -> Policy | None:
+    """The teacher policy the config names (None for `none`); the openai one reads its key from the variable
+    named, here only."""
+    if cfg.policy == "none":
+        return None
     if cfg.policy == "oracle":
         return get_policy("oracle", env=env, error_rate=cfg.error_rate, error_slices=cfg.error_slices,
                           error_seed=cfg.error_seed)

@@ -392,3 +392,28 @@ def test_beside_another_environment_its_verifiable_traces_stay_its_own(tmp_path,
     name, arguments, result_ = replayed.data["calls"][0]
     assert copy_.call_tool(name, arguments, copy_.start(replayed)) == result_
     assert copy_.counters["replay_served"] == 1
+
+
+def test_without_a_teacher_the_accepted_traces_are_the_targets(tmp_path, mlflow_store):
+    """`teacher.policy: none`: synthesize samples nothing (the teacher URL here answers nothing) and the
+    accepted train traces, re-scored by their own replay rubric, are the SFT targets; held-out ones never."""
+    from tasks.collect import collect
+    from tasks.synthesize import synthesize
+
+    config = pipeline()
+    config["teacher"] = {"policy": "none"}
+    config["synthesize"]["include_accepted_traces"] = True
+    write_project(tmp_path, config)
+    collect.fn(pipeline="bank", root=str(tmp_path))
+    result = synthesize.fn(pipeline="bank", root=str(tmp_path))
+    catalog = Catalog(tmp_path, "bank")
+    traces, synthetic = catalog.read("traces"), catalog.read("synthetic")
+    accepted_train = traces.query("outcome == 'accepted' and split == 'train'")
+    assert len(synthetic) == len(accepted_train) > 0 and (synthetic["teacher"] == "trace").all()
+    assert synthetic["accepted"].all() and (synthetic["reward"] == 1.0).all(), "each scores 1 under its own rubric"
+    assert result.metrics["samples"] == 0 and result.metrics["traces_accepted"] == len(accepted_train)
+
+    config["synthesize"]["include_accepted_traces"] = False
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"bank": config}}))
+    with pytest.raises(ConfigError, match="teacher.policy none.*include_accepted_traces: true"):
+        load_pipeline("bank", tmp_path / "pipelines.yaml")
