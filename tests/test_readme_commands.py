@@ -95,7 +95,7 @@ FIGURES = {
     "rl_async.py": {"sync_wall_s", "async_wall_s", "sync_generate_s", "sync_train_s", "sync_learner_idle_fraction",
                     "async_learner_idle_fraction", "speedup", "ideal_speedup", "fraction_of_ideal"},
     "demo_student.py": {"base_pass_rate", "sft_pass_rate", "sft_runtime_s", "sft_tokens_per_s"},
-    "rl_gain.py": {"sft_pass_rate", "rl_pass_rate", "diff", "gate_passed"},
+    "rl_gain.py": {"sft_success", "rl_success", "lower_bounds", "lift_shown"},
     "gpu_check.py": {"mode", "sft_full", "sft_lora", "sft_qlora", "rl", "evaluate", "wall_s"},
     "smol.py": {"steps", "batch_size", "stage_tokens_per_s", "bare_trl_tokens_per_s", "ratio", "harness_tokens_per_s",
                 "bare_generate_tokens_per_s", "generate_ratio"},
