@@ -256,3 +256,18 @@ def test_the_record_gate_never_skips_what_a_kind_gate_would_search():
         if any(_GATES[kind](text) for kind in redactor._kinds) and not redactor.needed(text):
             missed.append(text)
     assert len(redactor._kinds) == len(_GATES) and not missed, missed[:5]
+
+
+def test_tool_lists_kept_json_text_is_what_json_writes_for_each():
+    """orjson writes null for NaN and infinities and one text per value: the kept text must still be json's."""
+    from flywheel.data.shapes import timestamp
+    from flywheel.data.traces import _tools_text
+
+    for value in (float("nan"), None, float("inf"), 1, 1.0, True, 2**70, "\u00e9"):
+        tools = [{"type": "function", "function": {"name": "f", "x": value}}]
+        assert _tools_text(tools) == json.dumps(tools, ensure_ascii=False)
+        assert _tools_text(json.loads(json.dumps(tools))) == json.dumps(tools, ensure_ascii=False)
+    # a time already in the form timestamp() writes is given back as it is; a near miss is still parsed
+    assert timestamp("2026-02-28T23:59:59Z") == "2026-02-28T23:59:59Z"
+    assert timestamp("2026-02-30T00:00:00Z") == "2026-02-30T00:00:00Z"
+    assert timestamp("2026-02-28T23:59:59.000Z") == "2026-02-28T23:59:59Z"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -43,6 +44,8 @@ class Parts:
 
 
 _MISSING = object()
+# ISO-8601 UTC to the second, the form timestamp() writes: read and written again, it comes out as it went in
+_PLAIN_UTC = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z")
 # Where each part is when the config does not say: candidates in order, the first present wins.
 _DEFAULTS = {
     "chat": {"messages": ["messages"], "tools": ["tools"], "outcome": ["outcome"], "score": ["score"],
@@ -55,6 +58,8 @@ _DEFAULTS["mapped"] = _DEFAULTS["chat"]
 
 def get_path(record, path: str):
     """The value at a dotted path (`request.messages`, `choices.0.message`), or _MISSING."""
+    if "." not in path and isinstance(record, dict):  # a top-level field, as most are: one lookup
+        return record.get(path, _MISSING)
     node = record
     for part in path.split("."):
         if isinstance(node, dict):
@@ -133,6 +138,8 @@ def timestamp(value) -> str:
     """ISO-8601 UTC from epoch seconds or milliseconds or an ISO string; other text as it is; '' if none."""
     if value is _MISSING or value is None or value == "":
         return ""
+    if isinstance(value, str) and _PLAIN_UTC.fullmatch(value):
+        return value  # what the parse below gives back for it, whether it is a real time or not
     try:
         if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
             moment = datetime.fromtimestamp(value / 1000 if value > 1e11 else value, UTC)

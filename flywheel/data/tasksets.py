@@ -17,8 +17,12 @@ SCHEMA = pa.schema([(name, pa.string()) for name in ("task_id", "env", "prompt",
                                                      "origin")])
 
 
+# json.dumps(value, ensure_ascii=False) builds an encoder per call; this is the same encoder, built once
+_JSON_TEXT = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def task_row(task: Task, origin: str) -> dict:
-    return {"task_id": task.task_id, "env": task.env, "prompt": json.dumps(task.prompt, ensure_ascii=False),
+    return {"task_id": task.task_id, "env": task.env, "prompt": _JSON_TEXT(task.prompt),
             "answer": task.answer, "slice": task.slice, "split": task.split, "origin": origin}
 
 

@@ -162,10 +162,11 @@ def _call(call, i: int) -> dict:
 
 
 def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConfig, redactor: Redactor,
-             raw: str | None = None) -> dict:
+             raw: str | None = None, label: str | None = None) -> dict:
     """One traces-table row, redacted; raise BadRecord with the reason otherwise (PartialTurn: skip it).
 
-    `raw`, the record's JSON text, lets a record with nothing to redact skip the string-by-string search.
+    `raw`, the record's JSON text, lets a record with nothing to redact skip the string-by-string search;
+    `label`, the source's label, saves deriving it again for every record.
     """
     parts = extract(record, source)
     scrub = redactor.value if raw is None or redactor.needed(raw) else _same
@@ -175,7 +176,7 @@ def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConf
     # collected_at holds a time or nothing: text that is no time may be anything (a name, an address)
     collected_at = parts.time if _ISO_UTC.fullmatch(parts.time) else ""
     messages_text = _JSON_TEXT(messages)
-    tools_text = _JSON_TEXT(tools)
+    tools_text = _tools_text(tools)
     metadata_text = _JSON_SORTED(metadata)
     size = len(messages_text) + len(tools_text) + len(metadata_text)
     if size > cfg.max_record_bytes:
@@ -185,7 +186,7 @@ def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConf
     return {
         "trace_id": hashlib.sha256(body.encode()).hexdigest()[:16],
         "record_id": scrub(parts.record_id),
-        "source": source.label,
+        "source": source.label if label is None else label,
         "location": location,
         # the record's own time; never the clock, so a rerun writes the same bytes
         "collected_at": collected_at,
@@ -200,6 +201,28 @@ def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConf
 
 def _same(value):
     return value
+
+
+# Every record of an agent carries the same few tool lists: their JSON text is kept, keyed by orjson's text of
+# the list (~10x cheaper to make) and given back only for an equal list. The two checks together are exact:
+# equal orjson texts differ in json's text only where orjson writes null for NaN or an infinity, and those
+# lists are not equal (NaN equals nothing, None no number).
+_TOOLS_TEXT: dict[bytes, tuple[list, str]] = {}
+
+
+def _tools_text(tools: list) -> str:
+    try:
+        key = orjson.dumps(tools)
+    except (TypeError, orjson.JSONEncodeError):  # integers past 64 bits, lone surrogates, ...: json decides
+        return _JSON_TEXT(tools)
+    kept = _TOOLS_TEXT.get(key)
+    if kept is not None and kept[0] == tools:
+        return kept[1]
+    text = _JSON_TEXT(tools)
+    if len(_TOOLS_TEXT) >= 1_000:
+        _TOOLS_TEXT.clear()
+    _TOOLS_TEXT[key] = (tools, text)
+    return text
 
 
 def redact_location(location: str, redactor: Redactor) -> str:
@@ -233,7 +256,7 @@ def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
             try:
                 if isinstance(record, BadRecord):
                     raise record
-                rows.append(to_trace(record, reader.source, location, cfg, redactor, raw))
+                rows.append(to_trace(record, reader.source, location, cfg, redactor, raw, label))
             except PartialTurn:
                 found.partial += 1
             except BadRecord as why:
