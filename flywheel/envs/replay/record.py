@@ -23,6 +23,15 @@ class UnusableRecord(ValueError):
     """A conversation replay cannot serve: a call whose arguments are not a JSON object, a result with no call."""
 
 
+def call_arguments(call: dict) -> dict | None:
+    """A tool call's arguments as a dict; None when they are not JSON or not a JSON object."""
+    try:
+        arguments = json.loads((call.get("function") or {}).get("arguments") or "{}")
+    except json.JSONDecodeError:
+        return None
+    return arguments if isinstance(arguments, dict) else None
+
+
 @dataclass
 class Record:
     prompt: list[dict]
@@ -68,11 +77,8 @@ def read_record(messages: list[dict]) -> Record:
             pending = {}  # ids are unique within a turn only: agents reuse call_0 in every turn
             for call in message.get("tool_calls") or []:
                 fn = call.get("function") or {}
-                try:
-                    arguments = json.loads(fn.get("arguments") or "{}")
-                except json.JSONDecodeError:
-                    arguments = None
-                if not fn.get("name") or not isinstance(arguments, dict):
+                arguments = call_arguments(call)
+                if not fn.get("name") or arguments is None:
                     raise UnusableRecord(f"message {i}: a tool call without a name or with arguments that are "
                                          "not a JSON object")
                 pending[call.get("id")] = (fn["name"], arguments)

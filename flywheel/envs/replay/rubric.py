@@ -9,12 +9,11 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 from flywheel.envs.base import Score, Task
 from flywheel.envs.replay.matching import Call, Matcher
-from flywheel.envs.replay.record import facts_in
+from flywheel.envs.replay.record import call_arguments, facts_in
 
 JUDGE_TEMPLATE = """You compare an assistant's answer with a reference answer that the user accepted.
 
@@ -48,12 +47,7 @@ def model_calls(task: Task, messages: list[dict]) -> list[tuple[str, dict | None
         if message.get("role") != "assistant":
             continue
         for call in message.get("tool_calls") or []:
-            fn = call.get("function") or {}
-            try:
-                arguments = json.loads(fn.get("arguments") or "{}")
-            except json.JSONDecodeError:
-                arguments = None
-            calls.append((fn.get("name", ""), arguments if isinstance(arguments, dict) else None))
+            calls.append(((call.get("function") or {}).get("name", ""), call_arguments(call)))
     return calls
 
 
