@@ -258,6 +258,44 @@ def test_the_record_gate_never_skips_what_a_kind_gate_would_search():
     assert len(redactor._kinds) == len(_GATES) and not missed, missed[:5]
 
 
+def test_the_values_gate_never_skips_what_redaction_would_change():
+    """Redactor.needed_in (strings gated as one text, clean ones remembered) is yes wherever value() redacts."""
+    import random
+
+    from flywheel.config import RedactionConfig
+
+    gate, redactor = Redactor(RedactionConfig()), Redactor(RedactionConfig())
+    rng = random.Random(2)
+    alphabet = "0123456789 .-()+:abcdefABCDEF@x\"{}[],\n"
+    pieces = ["+1 415-555-0123", "4111 1111 1111 1111", "192.168.0.1", "fe80::1", "jane@example.com",
+              "sk-proj-abcdefghijklmnopqrstuvwx", "Bearer abcdefghijklmnop1234", "(415) 555-0123", "token=abc12345xyz"]
+    common = ["user", "assistant", "calculator", "Evaluate an arithmetic expression."]  # repeated: cached clean
+
+    def text():
+        body = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        at = rng.randint(0, len(body))
+        return body[:at] + rng.choice(pieces) + body[at:] if rng.random() < 0.1 else body
+
+    def value(depth=0):
+        roll = rng.random()
+        if depth > 2 or roll < 0.4:
+            return rng.choice(common) if rng.random() < 0.3 else text()
+        if roll < 0.7:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {f"k{i}": value(depth + 1) for i in range(rng.randint(0, 3))}
+
+    missed, skipped = [], 0
+    for _ in range(5_000):
+        record = [value(), value()]
+        changed = redactor.value(record) != record
+        if not gate.needed_in(*record):
+            skipped += 1
+            if changed:
+                missed.append(record)
+    assert not missed, missed[:3]
+    assert skipped > 1_000 and gate._clean  # the gate does skip, and remembers clean strings
+
+
 def test_tool_lists_kept_json_text_is_what_json_writes_for_each():
     """orjson writes null for NaN and infinities and one text per value: the kept text must still be json's."""
     from flywheel.data.shapes import timestamp

@@ -102,6 +102,29 @@ class Redactor:
         self._compiled: dict[tuple[str, ...], tuple[re.Pattern | None, list]] = {}
         self.counts: Counter[str] = Counter()
         self._seen: dict[str, tuple[str, Counter]] = {}  # prompts, tool schemas and outputs repeat a lot
+        self._clean: dict[str, None] = {}  # short strings no gate passed: role names, tool schemas, ...
+
+    def needed_in(self, *values) -> bool:
+        """Whether `self.value` would change any string of these values; False is certain.
+
+        The strings not known clean are gated as one text, joined by newlines (no gate's pattern spans a line
+        break, and a gate that passes on a string passes on any text holding it); when none passes, the short
+        ones are remembered as clean, so the strings every record repeats (tool schemas, roles, system
+        prompts) are gated once, not once a record.
+        """
+        fresh: list[str] = []
+        for value in values:
+            _strings(value, fresh, self._clean)
+        if not fresh:
+            return False
+        if self.needed("\n".join(fresh)):
+            return True
+        if len(self._clean) >= 100_000:
+            self._clean.clear()
+        for text in fresh:
+            if len(text) <= 500:
+                self._clean[text] = None
+        return False
 
     def needed(self, text: str) -> bool:
         """Whether anything in this text (e.g. a whole JSON record) may need redacting; False is certain."""
@@ -179,6 +202,24 @@ class Redactor:
                 return found[: lead.end()] + placeholder
         self.counts[kind] += 1
         return placeholder
+
+
+def _strings(value, out: list[str], known: dict[str, None]) -> None:
+    """Every string inside JSON-like data that is not in `known`, appended to `out` (dict keys are no values)."""
+    kind = type(value)
+    if kind is str:
+        if value and value not in known:
+            out.append(value)
+    elif kind is dict:
+        for item in value.values():
+            _strings(item, out, known)
+    elif kind is list:
+        for item in value:
+            _strings(item, out, known)
+    elif isinstance(value, str):  # subclasses: the type checks above are for speed only
+        _strings(str(value), out, known)
+    elif isinstance(value, dict | list):
+        _strings(list(value.values()) if isinstance(value, dict) else list(value), out, known)
 
 
 def _scoped_flags(pattern: str) -> str:

@@ -162,16 +162,16 @@ def _call(call, i: int) -> dict:
 
 
 def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConfig, redactor: Redactor,
-             raw: str | None = None, label: str | None = None) -> dict:
+             label: str | None = None) -> dict:
     """One traces-table row, redacted; raise BadRecord with the reason otherwise (PartialTurn: skip it).
 
-    `raw`, the record's JSON text, lets a record with nothing to redact skip the string-by-string search;
     `label`, the source's label, saves deriving it again for every record.
     """
     parts = extract(record, source)
-    scrub = redactor.value if raw is None or redactor.needed(raw) else _same
-    messages = scrub(normalise_messages(parts.messages))
-    tools = scrub(_list(parts.tools, "tools"))
+    messages, tools = normalise_messages(parts.messages), _list(parts.tools, "tools")
+    # what is redacted is gated first, as one text: most records have nothing to redact
+    scrub = redactor.value if redactor.needed_in(messages, tools, parts.metadata, parts.record_id) else _same
+    messages, tools = scrub(messages), scrub(tools)
     metadata = scrub(parts.metadata)  # keeps the record's time field as it was, redacted like the rest
     # collected_at holds a time or nothing: text that is no time may be anything (a name, an address)
     collected_at = parts.time if _ISO_UTC.fullmatch(parts.time) else ""
@@ -256,7 +256,7 @@ def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
             try:
                 if isinstance(record, BadRecord):
                     raise record
-                rows.append(to_trace(record, reader.source, location, cfg, redactor, raw, label))
+                rows.append(to_trace(record, reader.source, location, cfg, redactor, label))
             except PartialTurn:
                 found.partial += 1
             except BadRecord as why:

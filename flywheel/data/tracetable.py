@@ -94,7 +94,10 @@ def write(catalog: Catalog, rows: list[dict], incremental: bool, same_tasks: boo
         added = build(merged.fresh, tasksets.known_keys(stored))
         tasks = pa.concat_tables([stored, tasksets.to_arrow(added)]).combine_chunks()
     else:
-        added = build(merged.table.select(tasksets.TRACE_COLUMNS).to_pylist(), None)
+        # every row of the table is this run's (a full collect): its rows as they are, not read back from Arrow
+        every = merged.fresh if len(merged.fresh) == merged.table.num_rows else (
+            merged.table.select(tasksets.TRACE_COLUMNS).to_pylist())
+        added = build(every, None)
         tasks = tasksets.to_arrow(added)
     catalog.check("tasks", pd.DataFrame(added, columns=tasksets.SCHEMA.names))  # the new rows, once
     catalog.write_arrow("tasks", tasks)

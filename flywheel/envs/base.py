@@ -36,10 +36,29 @@ class Score:
 
 
 def prompt_hash(prompt: list[dict]) -> str:
-    """The stable content hash of a prompt: the key of held-out splits and contamination checks."""
-    canonical = json.dumps([{"role": m["role"], "content": m.get("content") or ""} for m in prompt],
-                           sort_keys=True, ensure_ascii=False)
+    """The stable content hash of a prompt: the key of held-out splits and contamination checks.
+
+    The hashed text is `json.dumps([{"role", "content"} ...], sort_keys=True, ensure_ascii=False)`. Text roles
+    and contents, nearly every prompt, are written by json's own string encoder without building the encoder
+    (the same bytes at a third of the cost: collect hashes every record's prompt); anything else by json.dumps.
+    """
+    try:
+        canonical = "[" + ", ".join(f'{{"content": {_string(m.get("content") or "")}, "role": {_string(m["role"])}}}'
+                                    for m in prompt) + "]"
+    except TypeError:  # a content or role that is no text (parts, None role): json decides
+        canonical = json.dumps([{"role": m["role"], "content": m.get("content") or ""} for m in prompt],
+                               sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _string(value) -> str:
+    # json's C string encoder (ensure_ascii=False), as json.dumps uses for a str; anything else is no text here
+    if type(value) is not str:
+        raise TypeError(value)
+    return _ENCODE_STRING(value)
+
+
+_ENCODE_STRING = json.encoder.encode_basestring
 
 
 def split_of(key: str, heldout_fraction: float) -> str:
