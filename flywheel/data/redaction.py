@@ -92,6 +92,9 @@ _IPV6_GATE = re.compile(r":[0-9A-Fa-f]{0,4}:[0-9A-Fa-f]{0,4}:").search
 _KEEP_LEAD = re.compile(r"""(?i)^(?:bearer\s+|[\w-]+["']?\s*[:=]\s*["']?)""")
 
 
+CLEAN_CHARS = 5_000_000  # how much clean text a Redactor remembers (needed_in): some tens of MB at most
+
+
 class Redactor:
     """Typed placeholders for every match; counts per kind. Kinds whose cheap test fails are not searched."""
 
@@ -102,28 +105,29 @@ class Redactor:
         self._compiled: dict[tuple[str, ...], tuple[re.Pattern | None, list]] = {}
         self.counts: Counter[str] = Counter()
         self._seen: dict[str, tuple[str, Counter]] = {}  # prompts, tool schemas and outputs repeat a lot
-        self._clean: dict[str, None] = {}  # short strings no gate passed: role names, tool schemas, ...
+        self._clean: dict[str, None] = {}  # strings no gate passed: tool lists' text, system prompts, ...
+        self._clean_chars = 0
 
     def needed_in(self, *values) -> bool:
         """Whether `self.value` would change any string of these values; False is certain.
 
         The strings not known clean are gated as one text, joined by newlines (no gate's pattern spans a line
-        break, and a gate that passes on a string passes on any text holding it); when none passes, the short
-        ones are remembered as clean, so the strings every record repeats (tool schemas, roles, system
-        prompts) are gated once, not once a record.
+        break, and a gate that passes on a string passes on any text holding it); when none passes, they are
+        remembered as clean (up to CLEAN_CHARS characters in all, then forgotten at once), so the strings
+        records repeat (tool lists' text, system prompts, roles) are gated once, not once a record.
         """
         fresh: list[str] = []
-        for value in values:
-            _strings(value, fresh, self._clean)
+        _strings(values, fresh, self._clean)
         if not fresh:
             return False
         if self.needed("\n".join(fresh)):
             return True
-        if len(self._clean) >= 100_000:
+        if self._clean_chars > CLEAN_CHARS:
             self._clean.clear()
+            self._clean_chars = 0
         for text in fresh:
-            if len(text) <= 500:
-                self._clean[text] = None
+            self._clean[text] = None
+            self._clean_chars += len(text)
         return False
 
     def needed(self, text: str) -> bool:
@@ -204,22 +208,26 @@ class Redactor:
         return placeholder
 
 
-def _strings(value, out: list[str], known: dict[str, None]) -> None:
-    """Every string inside JSON-like data that is not in `known`, appended to `out` (dict keys are no values)."""
-    kind = type(value)
-    if kind is str:
-        if value and value not in known:
-            out.append(value)
-    elif kind is dict:
-        for item in value.values():
-            _strings(item, out, known)
-    elif kind is list:
-        for item in value:
-            _strings(item, out, known)
-    elif isinstance(value, str):  # subclasses: the type checks above are for speed only
-        _strings(str(value), out, known)
-    elif isinstance(value, dict | list):
-        _strings(list(value.values()) if isinstance(value, dict) else list(value), out, known)
+def _strings(values, out: list[str], known: dict[str, None]) -> None:
+    """Every string inside these JSON-like values that is not in `known`, appended to `out` (in no set order;
+    dict keys are no values). A loop over a stack, not recursion: a call per node would cost twice the gate."""
+    stack = list(values)
+    while stack:
+        value = stack.pop()
+        kind = type(value)
+        if kind is str:
+            if value and value not in known:
+                out.append(value)
+        elif kind is dict:
+            stack.extend(value.values())
+        elif kind is list:
+            stack.extend(value)
+        elif isinstance(value, str):  # subclasses: the type checks above are for speed only
+            out.append(str(value))
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 def _scoped_flags(pattern: str) -> str:

@@ -90,10 +90,9 @@ def shape_of(record: dict, source: SourceConfig) -> str:
 def extract(record: dict, source: SourceConfig) -> Parts:
     """The parts of one record; raise BadRecord, or PartialTurn for a proxy call that ended in tool calls."""
     shape = shape_of(record, source)
-    where = {name: ([given] if (given := getattr(source.fields, name)) else default)
-             for name, default in _DEFAULTS[shape].items()}
+    where, consumed = _layout(source, shape)
     found = {name: _first(record, paths) for name, paths in where.items()}
-    consumed = [paths[0] for name, paths in where.items() if name not in ("id", "time")]
+    consumed = list(consumed)
 
     messages = _json_text(found["messages"], where["messages"][0])
     if messages is _MISSING:
@@ -119,6 +118,22 @@ def extract(record: dict, source: SourceConfig) -> Parts:
                  score=float(score) if score is not None else None,
                  record_id="" if found["id"] in (_MISSING, None) else str(found["id"]),
                  time=timestamp(found["time"]), metadata=_without(record, consumed))
+
+
+# (shape, the source's field names) -> where each part is, and the paths extract consumes
+_LAYOUTS: dict[tuple, tuple[dict[str, list[str]], tuple[str, ...]]] = {}
+
+
+def _layout(source: SourceConfig, shape: str) -> tuple[dict[str, list[str]], tuple[str, ...]]:
+    fields = source.fields
+    key = (shape, fields.messages, fields.tools, fields.outcome, fields.score, fields.id, fields.time)
+    kept = _LAYOUTS.get(key)
+    if kept is None:
+        where = {name: ([given] if (given := getattr(fields, name)) else default)
+                 for name, default in _DEFAULTS[shape].items()}
+        kept = where, tuple(paths[0] for name, paths in where.items() if name not in ("id", "time"))
+        _LAYOUTS[key] = kept
+    return kept
 
 
 def outcome_of(value, score: float | None, rule: OutcomeRule, path: str) -> str:

@@ -169,14 +169,18 @@ def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConf
     """
     parts = extract(record, source)
     messages, tools = normalise_messages(parts.messages), _list(parts.tools, "tools")
-    # what is redacted is gated first, as one text: most records have nothing to redact
-    scrub = redactor.value if redactor.needed_in(messages, tools, parts.metadata, parts.record_id) else _same
-    messages, tools = scrub(messages), scrub(tools)
+    tools_text = _tools_text(tools)
+    # Gated first, as one text, since most records have nothing to redact: the strings of the messages (their
+    # shape is normalise_messages's), the tool list as its text (which holds all its strings), the rest
+    scrub = _same
+    if redactor.needed_in(_message_strings(messages), tools_text, parts.metadata, parts.record_id):
+        scrub = redactor.value
+        messages, tools = scrub(messages), scrub(tools)
+        tools_text = _tools_text(tools)
     metadata = scrub(parts.metadata)  # keeps the record's time field as it was, redacted like the rest
     # collected_at holds a time or nothing: text that is no time may be anything (a name, an address)
     collected_at = parts.time if _ISO_UTC.fullmatch(parts.time) else ""
     messages_text = _JSON_TEXT(messages)
-    tools_text = _tools_text(tools)
     metadata_text = _JSON_SORTED(metadata)
     size = len(messages_text) + len(tools_text) + len(metadata_text)
     if size > cfg.max_record_bytes:
@@ -201,6 +205,20 @@ def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConf
 
 def _same(value):
     return value
+
+
+def _message_strings(messages: list[dict]) -> list[str]:
+    """Every string of normalised messages that redaction could change (roles are one of ROLES, call types
+    'function')."""
+    out = []
+    for message in messages:
+        if message["content"]:
+            out.append(message["content"])
+        if "tool_call_id" in message:
+            out.append(message["tool_call_id"])
+        for call in message.get("tool_calls") or ():
+            out += (call["id"], call["function"]["name"], call["function"]["arguments"])
+    return out
 
 
 # Every record of an agent carries the same few tool lists: their JSON text is kept, keyed by orjson's text of
