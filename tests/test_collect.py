@@ -296,6 +296,27 @@ def test_the_values_gate_never_skips_what_redaction_would_change():
     assert skipped > 1_000 and gate._clean  # the gate does skip, and remembers clean strings
 
 
+def test_prompt_hash_hashes_the_json_text_it_always_did():
+    """prompt_hash writes its canonical text without json.dumps: the bytes (so every split) must not move."""
+    import hashlib
+    import random
+
+    from flywheel.envs.base import prompt_hash
+
+    def reference(prompt):
+        canonical = json.dumps([{"role": m["role"], "content": m.get("content") or ""} for m in prompt],
+                               sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    rng = random.Random(3)
+    chars = 'ab"\\\n\t\x00\x1f \u00e9\u20ac\U0001f600\u2028/<>'
+    prompts = [[], [{"role": "user", "content": None}], [{"role": "user"}], [{"role": "user", "content": 5}],
+               [{"role": "user", "content": [{"type": "text", "text": "x"}]}]]
+    prompts += [[{"role": rng.choice(["system", "user"]), "content": "".join(rng.choices(chars, k=rng.randint(0, 20)))}
+                 for _ in range(rng.randint(1, 3))] for _ in range(2_000)]
+    assert all(prompt_hash(p) == reference(p) for p in prompts)
+
+
 def test_tool_lists_kept_json_text_is_what_json_writes_for_each():
     """orjson writes null for NaN and infinities and one text per value: the kept text must still be json's."""
     from flywheel.data.shapes import timestamp

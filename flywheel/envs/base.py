@@ -40,7 +40,7 @@ def prompt_hash(prompt: list[dict]) -> str:
 
     The hashed text is `json.dumps([{"role", "content"} ...], sort_keys=True, ensure_ascii=False)`. Text roles
     and contents, nearly every prompt, are written by json's own string encoder without building the encoder
-    (the same bytes at a third of the cost: collect hashes every record's prompt); anything else by json.dumps.
+    (the same bytes at about half the cost: collect hashes every record's prompt); anything else by json.dumps.
     """
     try:
         canonical = "[" + ", ".join(f'{{"content": {_string(m.get("content") or "")}, "role": {_string(m["role"])}}}'
