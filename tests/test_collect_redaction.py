@@ -102,6 +102,40 @@ def test_an_escaped_secret_in_the_json_text_is_still_found(tmp_path):
     assert json.loads(trace["messages"])[0]["content"] == "mail <EMAIL>"
 
 
+def test_an_email_anywhere_in_a_record_is_redacted(tmp_path):
+    """Collect gates each record before redacting it: an email in any one part, and nowhere else, still goes."""
+    def record(i: int, where: str) -> dict:
+        email = f"jane{i}@example.com" if where else ""
+        rec = {"id": f"r{i}" + (f" {email}" if where == "id" else ""),
+               "messages": [{"role": "system", "content": "You are a calculator."},
+                            {"role": "user", "content": f"What is {i} + 1?" + (f" {email}" if where == "user" else "")},
+                            {"role": "assistant", "content": None, "tool_calls": [
+                                {"id": f"call_{i}" + (email if where == "call id" else ""), "type": "function",
+                                 "function": {"name": "calculator", "arguments": json.dumps(
+                                     {"expression": f"{i} + 1", **({"to": email} if where == "arguments" else {})})}}]},
+                            {"role": "tool", "tool_call_id": f"call_{i}" + (email if where == "call id" else ""),
+                             "content": f"{i + 1}" + (f" {email}" if where == "result" else "")},
+                            {"role": "assistant", "content": f"{i + 1}" + (f" {email}" if where == "answer" else "")}],
+               "tools": [{"type": "function", "function": {
+                   "name": "calculator", "description": "Evaluate." + (f" {email}" if where == "tools" else ""),
+                   "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]}
+        if where == "metadata":
+            rec["user"] = {"contact": email}
+        return rec
+
+    places = ["user", "answer", "arguments", "result", "call id", "tools", "metadata", "id"]
+    # clean records first, so the redactor has remembered their repeated strings as clean before each email comes
+    records = [record(i, "") for i in range(5)] + [record(10 + n, where) for n, where in enumerate(places)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = CollectConfig(sources=["t.jsonl"])
+    found = collect(readers(cfg, tmp_path), cfg, Redactor(cfg.redact))
+    assert len(found.traces) == len(records)
+    leaked = [t for t in found.traces if "@example.com" in json.dumps(t)]
+    assert not leaked, leaked
+    # twice each: the call id (in the call and in its result) and the record id (also kept in the metadata)
+    assert found.redacted["email"] == len(places) + 2
+
+
 def test_a_time_that_is_no_time_is_not_written_as_one(tmp_path):
     good = {"messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]}
     records = [good | {"timestamp": "2026-11-01T08:04:16+01:00"},

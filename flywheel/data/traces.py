@@ -209,13 +209,11 @@ def _same(value):
 
 def _message_strings(messages: list[dict]) -> list[str]:
     """Every string of normalised messages that redaction could change (roles are one of ROLES, call types
-    'function')."""
+    'function', and a result's tool_call_id is its call's id, as normalise_messages checked)."""
     out = []
     for message in messages:
         if message["content"]:
             out.append(message["content"])
-        if "tool_call_id" in message:
-            out.append(message["tool_call_id"])
         for call in message.get("tool_calls") or ():
             out += (call["id"], call["function"]["name"], call["function"]["arguments"])
     return out
