@@ -1,16 +1,18 @@
 """The whole collect stage against a bare `json.loads` loop over the same generated records, side by side.
 
-    .venv/bin/python benchmarks/collect.py [--records 200000] [--pipeline demo] [--quick]
+    .venv/bin/python benchmarks/collect.py [--records 200000] [--pipeline demo] [--workers N] [--quick]
 
 Writes N production-like records (tool-using calculator conversations in OpenAI chat format, ~5% carrying an
 email, phone number or API key, ~2% duplicates, ~0.5% malformed) as JSON Lines in a temporary project, then
 times `json.loads` over every line, the collect stage in full (read, check, normalise, redact, de-duplicate,
 split, pandera, Parquet, the tasks table, MLflow; the MLflow store is created and timed apart first, as a
-project's store exists after its first run), an incremental rerun with nothing new (the tables must keep
-their bytes), one with 1% more records appended to the last file, and a full re-collect of the same records
-(it must write the same bytes). The last line is one JSON object: both rates and their ratio, the process's
-peak RSS after the full stage, the incremental runs' seconds, the machine's load average. `--quick` runs the
-same on 2,000 records, in seconds.
+project's store exists after its first run) with `--workers` worker processes (default: one per core), an
+incremental rerun with nothing new (the tables must keep their bytes), one with 1% more records appended to
+the last file, and a full re-collect of the same records in one process (it must write the same bytes; its
+time, per the first runs' record count, is the stage without workers). The last line is one JSON object: both
+rates and their ratio, the stage's CPU seconds (workers included), the one-process time and ratio, the peak
+RSS of this process and of the largest worker, the incremental runs' seconds, the machine's load average.
+`--quick` runs the same on 2,000 records, in seconds.
 """
 
 from __future__ import annotations
@@ -83,11 +85,19 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def cpu_s() -> float:
+    """CPU seconds of this process and of its ended child processes (collect's workers) so far."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def main() -> None:
     """Generate, time json.loads, time the stage (full, then an incremental rerun), print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=200_000)
     parser.add_argument("--pipeline", default="demo")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="collect.workers for the timed runs (default 0: one process per CPU core)")
     parser.add_argument("--quick", action="store_true", help="the same on 2,000 records (what the tests run)")
     args = parser.parse_args()
     if args.quick:
@@ -99,7 +109,12 @@ def main() -> None:
     config = yaml.safe_load((ROOT / "pipelines.yaml").read_text())
     pipeline = config["pipelines"][args.pipeline]
     pipeline["collect"]["sources"] = ["logs/*.jsonl"]
-    (root / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {args.pipeline: pipeline}}))
+
+    def configure(workers: int) -> None:
+        pipeline["collect"]["workers"] = workers
+        (root / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {args.pipeline: pipeline}}))
+
+    configure(args.workers)
     (root / "logs").mkdir()
     started = time.perf_counter()
     lines = make_records(args.records + args.records // 100)
@@ -133,14 +148,19 @@ def main() -> None:
     store_s = time.perf_counter() - started
     print(f"MLflow store created in {store_s:.2f}s (not part of the stage's time)", flush=True)
 
-    started = time.perf_counter()
+    from flywheel.config import CollectConfig
+    from flywheel.data.traces import workers
+
+    processes = workers(CollectConfig(workers=args.workers))
+    started, cpu = time.perf_counter(), cpu_s()
     result = collect.fn(pipeline=args.pipeline, root=str(root))
-    stage_s = time.perf_counter() - started
+    stage_s, stage_cpu_s = time.perf_counter() - started, cpu_s() - cpu
     m = result.metrics
-    print(f"collect stage: {stage_s:.2f}s: {m['traces']} traces, {m['quarantined']} quarantined, "
-          f"{m['duplicates']} duplicates, redacted {({k: v for k, v in m.items() if k.startswith('redacted_')})}",
-          flush=True)
+    print(f"collect stage: {stage_s:.2f}s ({stage_cpu_s:.1f}s of CPU, {processes} worker processes): "
+          f"{m['traces']} traces, {m['quarantined']} quarantined, {m['duplicates']} duplicates, "
+          f"redacted {({k: v for k, v in m.items() if k.startswith('redacted_')})}", flush=True)
     peak_mb = peak_rss_mb()  # the generated records, json.loads and the full stage
+    worker_peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest worker's
     started = time.perf_counter()
     before = _outputs(root)
     collect.fn(pipeline=args.pipeline, root=str(root))
@@ -157,15 +177,24 @@ def main() -> None:
     print(f"incremental run with {len(later)} new records (1%): {grown_s:.2f}s, "
           f"{grown.metrics['traces_new']} new traces", flush=True)
     incremental = _outputs(root)
+    configure(1)  # in this process only: the same bytes, and the time the workers save
+    started = time.perf_counter()
     full = collect.fn(pipeline=args.pipeline, root=str(root), full=True)
+    one_process_s = time.perf_counter() - started
     identical = _outputs(root) == incremental and full.metrics["traces"] == grown.metrics["traces"]
-    print(f"full re-collect of the same records writes the same bytes: {identical}", flush=True)
+    print(f"full re-collect of the same {args.records + len(later)} records in one process: {one_process_s:.2f}s; "
+          f"the same bytes as incremental collection with {processes} workers: {identical}", flush=True)
+    one_process_s *= args.records / (args.records + len(later))  # per the first runs' record count
     print(json.dumps({"benchmark": "collect", "records": args.records, "megabytes": round(size / 1e6, 1),
                       "json_loads_records_per_s": round(args.records / bare_s),
                       "collect_stage_records_per_s": round(args.records / stage_s),
                       "collect_stage_s": round(stage_s, 1),
                       "ratio_json_loads_to_stage": round(stage_s / bare_s, 1),
-                      "peak_rss_mb": round(peak_mb), "mlflow_store_init_s": round(store_s, 2),
+                      "workers": processes, "collect_stage_cpu_s": round(stage_cpu_s, 1),
+                      "one_process_stage_s": round(one_process_s, 1),
+                      "ratio_json_loads_to_one_process": round(one_process_s / bare_s, 1),
+                      "peak_rss_mb": round(peak_mb), "worker_peak_rss_mb": round(worker_peak_mb),
+                      "mlflow_store_init_s": round(store_s, 2),
                       "incremental_no_new_s": round(rerun_s, 2), "incremental_no_new_unchanged": unchanged,
                       "incremental_1pct_new_s": round(grown_s, 2), "incremental_1pct_identical_to_full": identical,
                       "load_average": round(os.getloadavg()[0], 1)}))

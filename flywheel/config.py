@@ -270,6 +270,9 @@ class CollectConfig(Section):
     # Read only what is new since the last run (a watermark per source); false: re-read everything each run.
     incremental: bool = True
     redact: RedactionConfig = RedactionConfig()
+    # Processes the records are checked, redacted and made tasks in (0: one per CPU core, at most 8; 1: this
+    # process only). Only speed depends on it: the tables are the same bytes with any number.
+    workers: int = Field(0, ge=0)
 
     @model_validator(mode="before")
     @classmethod

@@ -15,9 +15,9 @@ from flywheel.data.redaction import Redactor
 from flywheel.data.schemas import Quarantine
 from flywheel.data.shapes import SourceError
 from flywheel.data.sources import FileReader, readers, remote_fingerprint
-from flywheel.data.tasksets import build_tasks
+from flywheel.data.tasksets import build_tasks, trace_task
 from flywheel.data.traces import collect as collect_traces
-from flywheel.data.traces import table_rows
+from flywheel.data.traces import gc_paused, table_rows
 from flywheel.stages import StageResult
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
@@ -57,7 +57,9 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
                                         f"file ({reader.source.path} under {root_path})")
         since = None if full else watermarks.load(root_path, pipeline, cfg.collect, paths)
         quarantine = table_rows(catalog.read("quarantine")) if since is not None else []
-        found = collect_traces(sources, cfg.collect, Redactor(cfg.collect.redact), ([], quarantine), since)
+        with gc_paused():
+            found = collect_traces(sources, cfg.collect, Redactor(cfg.collect.redact), ([], quarantine), since,
+                                   task_of=partial(trace_task, env, cfg.collect.heldout_fraction))
 
         read, bad = sum(found.records.values()), sum(found.bad.values())
         bad_fraction = bad / max(read, 1)
@@ -70,8 +72,9 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
                     f"{bad} of {read} records read ({bad_fraction:.0%}) are malformed, over max_bad_fraction "
                     f"{cfg.collect.max_bad_fraction:.0%}; most common: {found.reasons.most_common(3)}; "
                     f"see {catalog.table_path('quarantine')}")
-            build = partial(build_tasks, env, cfg.environment, cfg.collect.heldout_fraction)
-            tables = tracetable.write(catalog, found.traces, since is not None, same_tasks, build)
+            build = partial(build_tasks, env, cfg.environment, cfg.collect.heldout_fraction, made=found.tasks)
+            with gc_paused():
+                tables = tracetable.write(catalog, found.traces, since is not None, same_tasks, build)
         else:  # nothing new: no table is read whole or written, so the bytes on disk stay as they are
             tables = tracetable.unchanged(catalog)
         if found.states != since or not same_tasks:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -146,3 +147,44 @@ def test_the_stage_appends_later_traces_and_their_tasks_as_a_full_collect_writes
     full = stage.fn(pipeline="small", root=str(tmp_path), full=True)
     assert full.outputs == second.outputs and full.metrics["tasks_from_traces"] == \
         second.metrics["tasks_from_traces"]
+
+
+def test_worker_processes_write_the_tables_one_process_writes(tmp_path, mlflow_store, monkeypatch):
+    """Records in batches of 7 through 2 forked workers (tasks made there too) against one process: the same
+    bytes, metrics and quarantine, with bad lines, personal data and duplicates among them."""
+    import yaml
+
+    from flywheel.data import traces
+    from tasks.collect import collect as stage
+
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    config = yaml.safe_load((REPO / "tests/conftest.py").read_text().split('SMALL_PIPELINE = """')[1]
+                            .split('"""')[0])
+    log = tmp_path / "examples/traces/support-agent-2026-11-02.jsonl"
+    extra = [json.dumps({**json.loads(_record(n)), "messages": [
+        {"role": "user", "content": f"What is {n} * 3? Mail me at user{n}@example.com"},
+        {"role": "assistant", "content": f"{3 * n}"}]}) for n in range(60)]
+    _append(log, extra + ["{bad", extra[0], "[1]"])
+    monkeypatch.setattr(traces, "BATCH", 7)
+    process, pids = traces._process, tmp_path / "pids"
+
+    def noted(*args):  # which process did each batch (a file: the workers are other processes)
+        with pids.open("a") as handle:
+            handle.write(f"{os.getpid()}\n")
+        return process(*args)
+
+    monkeypatch.setattr(traces, "_process", noted)
+    results, used = {}, {}
+    for workers in (1, 2):
+        pids.write_text("")
+        config["pipelines"]["small"]["collect"]["workers"] = workers
+        (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump(config))
+        result = stage.fn(pipeline="small", root=str(tmp_path), full=True)
+        tables = {p.name: p.read_bytes() for p in sorted((tmp_path / "data/small/collect").glob("*.parquet"))}
+        results[workers] = (result.outputs, result.metrics, tables)
+        used[workers] = set(pids.read_text().split())
+    assert used[1] == {str(os.getpid())} and len(used[2]) == 2 and str(os.getpid()) not in used[2]
+    one, two = results[1], results[2]
+    assert one[1]["records"] > 3 * 7 and one[1]["quarantined"] >= 2 and one[1]["redacted_email"] >= 60
+    assert one[1]["tasks_from_traces"] > 0
+    assert two == one

@@ -86,7 +86,9 @@ GPU_ONLY = {"gpu_check.py": "its full form exits 1 without a CUDA GPU"}
 FIGURES = {
     "collect.py": {"records", "megabytes", "json_loads_records_per_s", "collect_stage_records_per_s",
                    "collect_stage_s", "ratio_json_loads_to_stage", "peak_rss_mb", "incremental_no_new_s",
-                   "incremental_1pct_new_s", "incremental_1pct_identical_to_full"},
+                   "incremental_1pct_new_s", "incremental_1pct_identical_to_full", "workers",
+                   "collect_stage_cpu_s", "one_process_stage_s", "ratio_json_loads_to_one_process",
+                   "worker_peak_rss_mb"},
     "synthesis.py": {"concurrency", "samples_per_s_concurrent", "samples_per_s_sequential", "ratio", "ideal_ratio",
                      "fraction_of_ideal"},
     "envs.py": {"harness_episodes_per_s", "bare_episodes_per_s", "ratio"},

@@ -142,7 +142,9 @@ class FileReader:
     def files(self) -> list[Path]:
         return expand(self.root, self.source.path)
 
-    def read(self, since: dict | None) -> Iterator[Item]:
+    def read(self, since: dict | None, parse: bool = True) -> Iterator[Item]:
+        """parse=False: a JSON Lines file's lines come as (location, raw bytes, None), for `jsonl_line` to read
+        where the records are processed (a worker process), not here."""
         seen = (since or {}).get("files", {})
         state: dict[str, dict] = {}
         for path in self.files():
@@ -168,7 +170,9 @@ class FileReader:
                             digest.update(raw)
                             done = {"bytes": done["bytes"] + len(raw), "lines": number}
                         if raw.strip():
-                            yield jsonl_line(raw.rstrip(b"\r\n"), f"{name}:{number}", self.max_bytes)
+                            line = raw.rstrip(b"\r\n")
+                            yield (jsonl_line(line, f"{name}:{number}", self.max_bytes) if parse else
+                                   (f"{name}:{number}", line, None))
                     state[name] = {**done, "md5": digest.hexdigest()}
                 elif skip:
                     state[name] = before

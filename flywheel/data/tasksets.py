@@ -35,13 +35,30 @@ def row_task(row: dict) -> Task:
 TRACE_COLUMNS = ["trace_id", "source", "messages", "tools", "outcome", "score", "split"]
 
 
+def trace_task(env: Environment, heldout_fraction: float, trace: dict) -> tuple[str, str, dict] | None:
+    """The task a traces-table row holds for this environment, split: (its id, its prompt hash, its tasks-table
+    row); None if it holds none.
+
+    An environment with `task_from_trace` (replay) reads the whole row and sets the split; any other reads the
+    messages and its task is split by its id. Both must depend on the row alone: collect builds these in its
+    worker processes (flywheel/data/traces.py) and build_tasks takes them as built.
+    """
+    from_trace = getattr(env, "task_from_trace", None)
+    if from_trace is not None:
+        task = from_trace(trace, heldout_fraction)
+    else:
+        task = env.task_from_messages(orjson.loads(trace["messages"]))  # our own JSON: orjson reads it as json
+        task = task and _with_split(task, split_of(task.task_id, heldout_fraction))
+    return None if task is None else (task.task_id, prompt_hash(task.prompt), task_row(task, "trace"))
+
+
 def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, traces: Iterable[dict],
-                known: set[str] | None = None) -> list[dict]:
+                known: set[str] | None = None, made: dict | None = None) -> list[dict]:
     """Draw generated tasks until both splits are full, then add the traces' verifiable tasks; no duplicates.
 
-    `traces` are traces-table rows (at least `messages`, JSON text) in table order. An environment with
-    `task_from_trace` (replay) reads the whole row and sets the split; any other reads the messages and its task
-    is split by its id. A task whose prompt hash is already taken (by a generated task or an earlier trace's) is
+    `traces` are traces-table rows (at least `messages`, JSON text) in table order, each made a task by
+    trace_task, or taken from `made` (collect's: (source, location) -> (trace_id, trace_task's result)) when
+    it holds that row. A task whose prompt hash is already taken (by a generated task or an earlier trace's) is
     left out. With `known`, the ids and prompt hashes of the tasks built from the traces before these ones,
     only the tasks new to those are returned: appended to that table, they make the table a build over all
     the traces makes.
@@ -51,20 +68,22 @@ def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: floa
         _generate(env, cfg, heldout_fraction, rows)
     prompts = {prompt_hash(json.loads(row["prompt"])) for row in rows.values()} | (known or set())
     known = known or set()
-    from_trace = getattr(env, "task_from_trace", None)
+    made = made or {}
     for trace in traces:
-        if from_trace is not None:
-            task = from_trace(trace, heldout_fraction)
+        kept = made.get((trace.get("source"), trace.get("location")))
+        if kept is not None and kept[0] == trace.get("trace_id"):
+            found = kept[1]
         else:
-            task = env.task_from_messages(orjson.loads(trace["messages"]))  # our own JSON: orjson reads it as json
-            task = task and _with_split(task, split_of(task.task_id, heldout_fraction))
-        if task is None or task.task_id in rows or task.task_id in known:
+            found = trace_task(env, heldout_fraction, trace)
+        if found is None:
             continue
-        digest = prompt_hash(task.prompt)
+        task_id, digest, row = found
+        if task_id in rows or task_id in known:
+            continue
         if digest in prompts:
             continue  # one prompt, one task: whichever task set had it first keeps it
         prompts.add(digest)
-        rows[task.task_id] = task_row(task, "trace")
+        rows[task_id] = row
     return list(rows.values())
 
 

@@ -12,7 +12,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -91,15 +90,14 @@ def write(catalog: Catalog, rows: list[dict], incremental: bool, same_tasks: boo
     catalog.write_arrow("traces", merged.table)
     if merged.appended and same_tasks:
         stored = catalog.read_arrow("tasks").cast(tasksets.SCHEMA)
-        added = build(merged.fresh, tasksets.known_keys(stored))
-        tasks = pa.concat_tables([stored, tasksets.to_arrow(added)]).combine_chunks()
+        added = tasksets.to_arrow(build(merged.fresh, tasksets.known_keys(stored)))
+        tasks = pa.concat_tables([stored, added]).combine_chunks()
     else:
         # every row of the table is this run's (a full collect): its rows as they are, not read back from Arrow
         every = merged.fresh if len(merged.fresh) == merged.table.num_rows else (
             merged.table.select(tasksets.TRACE_COLUMNS).to_pylist())
-        added = build(every, None)
-        tasks = tasksets.to_arrow(added)
-    catalog.check("tasks", pd.DataFrame(added, columns=tasksets.SCHEMA.names))  # the new rows, once
+        tasks = added = tasksets.to_arrow(build(every, None))
+    catalog.check("tasks", added.to_pandas())  # the new rows, once
     catalog.write_arrow("tasks", tasks)
     return Written(merged.table.column("outcome"), tasks, merged.new, merged.duplicates)
 

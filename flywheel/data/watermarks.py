@@ -29,9 +29,9 @@ def state_path(root: Path, pipeline: str) -> Path:
 
 
 def recipe(cfg: CollectConfig) -> str:
-    """The collect config (less the incremental switch) and the row-shaping code, hashed."""
+    """The collect config (less the incremental switch and the workers) and the row-shaping code, hashed."""
     here = Path(__file__).resolve().parent
-    config = json.dumps(cfg.model_dump(mode="json", exclude={"incremental"}), sort_keys=True)
+    config = json.dumps(cfg.model_dump(mode="json", exclude={"incremental", "workers"}), sort_keys=True)
     code = content_hash([here / name for name in _RECIPE_CODE], here)
     return hashlib.sha256(f"{config}|{code}".encode()).hexdigest()[:16]
 

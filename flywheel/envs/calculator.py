@@ -12,7 +12,7 @@ import operator
 import random
 import re
 from collections.abc import Iterator
-from functools import partial
+from functools import lru_cache, partial
 
 from flywheel.envs.base import Task, ToolError, prompt_hash
 from flywheel.envs.sdk import Env, Reward
@@ -153,7 +153,14 @@ def _big_expression(rng: random.Random, big_max: int) -> str:
 def task_from_messages(messages: list[dict]) -> Task | None:
     """The task behind a conversation: the first user message, if it holds an integer expression."""
     text = _first_user_text(messages)
-    expression = find_expression(text) if text else None
+    return _task_of_text(text) if text else None
+
+
+@lru_cache(maxsize=1 << 16)
+def _task_of_text(text: str) -> Task | None:
+    # kept per text: an agent's users ask the same questions again and again, and collect makes a task of every
+    # trace (frozen Tasks; their prompts are read, never changed)
+    expression = find_expression(text)
     if expression is None:
         return None
     try:
