@@ -188,3 +188,26 @@ def test_worker_processes_write_the_tables_one_process_writes(tmp_path, mlflow_s
     assert one[1]["records"] > 3 * 7 and one[1]["quarantined"] >= 2 and one[1]["redacted_email"] >= 60
     assert one[1]["tasks_from_traces"] > 0
     assert two == one
+
+
+def test_a_worker_that_dies_fails_the_collect_with_what_to_do(tmp_path, monkeypatch):
+    import pytest
+
+    from flywheel.data import traces
+
+    _append(tmp_path / "b.jsonl", [_record(n) for n in range(30)])
+    cfg = CollectConfig(sources=["*.jsonl"], workers=2)
+    parent, process = os.getpid(), traces._process
+
+    def dies(*args):  # a worker killed mid-batch (the OOM killer, say)
+        if os.getpid() != parent:
+            os._exit(9)
+        return process(*args)
+
+    monkeypatch.setattr(traces, "BATCH", 7)
+    monkeypatch.setattr(traces, "_process", dies)
+    with pytest.raises(RuntimeError, match="ended abruptly .* `collect.workers: 1`"):
+        collect([FileReader(cfg.sources[0], tmp_path, cfg.max_record_bytes)], cfg, Redactor(cfg.redact))
+    one = CollectConfig(sources=["*.jsonl"], workers=1)
+    found = collect([FileReader(one.sources[0], tmp_path, one.max_record_bytes)], one, Redactor(one.redact))
+    assert len(found.traces) == 30

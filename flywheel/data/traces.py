@@ -12,6 +12,7 @@ import re
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -417,14 +418,19 @@ class _Batches:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
                                              initializer=_set_worker, initargs=(self.work,))
         pending: deque = deque()
-        for chunk in (c for c in (first, second) if c is not None):
-            pending.append(self._pool.submit(_in_worker, label, source, chunk))
-        for chunk in chunks:
-            if len(pending) >= 2 * self.workers:  # bounded: memory stays flat however many records there are
+        try:
+            for chunk in (c for c in (first, second) if c is not None):
+                pending.append(self._pool.submit(_in_worker, label, source, chunk))
+            for chunk in chunks:
+                if len(pending) >= 2 * self.workers:  # bounded: memory stays flat however many records there are
+                    yield pending.popleft().result()
+                pending.append(self._pool.submit(_in_worker, label, source, chunk))
+            while pending:
                 yield pending.popleft().result()
-            pending.append(self._pool.submit(_in_worker, label, source, chunk))
-        while pending:
-            yield pending.popleft().result()
+        except BrokenProcessPool as err:
+            raise RuntimeError(f"collect: a worker process of source '{label}' ended abruptly (killed, or out of "
+                               f"memory?); nothing was written. `collect.workers: 1` processes the records in "
+                               f"the stage's own process") from err
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:
