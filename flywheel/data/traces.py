@@ -267,7 +267,7 @@ def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for a while (it is process-wide), on again after if it was on.
 
     Collecting makes hundreds of thousands of rows and records, and no reference cycles: each collection the
-    allocations trigger walks every one of them again, a third of the stage's time at 200k records.
+    allocations trigger walks every one of them again (parsing 20k records kept alive: 33 µs each, 6 without).
     """
     enabled = gc.isenabled()
     gc.disable()
