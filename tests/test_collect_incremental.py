@@ -188,6 +188,18 @@ def test_worker_processes_write_the_tables_one_process_writes(tmp_path, mlflow_s
     assert one[1]["records"] > 3 * 7 and one[1]["quarantined"] >= 2 and one[1]["redacted_email"] >= 60
     assert one[1]["tasks_from_traces"] > 0
     assert two == one
+    # the tasks the workers made are the ones build_tasks makes itself from the written traces table
+    import pyarrow.parquet as pq
+
+    from flywheel.config import load_pipeline
+    from flywheel.data.tasksets import build_tasks
+    from flywheel.envs import load_environment
+
+    cfg = load_pipeline("small", tmp_path / "pipelines.yaml")
+    traces_table = pq.read_table(tmp_path / "data/small/collect/traces.parquet").to_pylist()
+    rebuilt = build_tasks(load_environment(cfg.environment, tmp_path), cfg.environment,
+                          cfg.collect.heldout_fraction, traces_table)
+    assert rebuilt == pq.read_table(tmp_path / "data/small/collect/tasks.parquet").to_pylist()
 
 
 def test_a_worker_that_dies_fails_the_collect_with_what_to_do(tmp_path, monkeypatch):
