@@ -74,7 +74,7 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
                     f"see {catalog.table_path('quarantine')}")
             build = partial(build_tasks, env, cfg.environment, cfg.collect.heldout_fraction, made=found.tasks)
             with gc_paused():
-                tables = tracetable.write(catalog, found.traces, since is not None, same_tasks, build)
+                tables = tracetable.write(catalog, found.table, since is not None, same_tasks, build)
         else:  # nothing new: no table is read whole or written, so the bytes on disk stay as they are
             tables = tracetable.unchanged(catalog)
         if found.states != since or not same_tasks:

@@ -118,15 +118,15 @@ def test_new_traces_are_appended_to_the_stored_table_as_a_full_merge_would_place
 
     _append(tmp_path / "b.jsonl", [timed(n) for n in range(0, 60, 2)])
     first = run()
-    stored = tracetable.to_arrow(first.traces)
+    stored = first.table
     # later records, and a retried upload of an early one: appended, the stored copy stays
     _append(tmp_path / "b.jsonl", [timed(n) for n in (61, 63, 4)])
-    merged = tracetable.merge(stored, run(first.states).traces)
+    merged = tracetable.merge(stored, run(first.states).table)
     assert merged.appended and merged.duplicates == 1 and len(merged.fresh) == 2
     assert merged.table.to_pylist() == run().traces
     # a back-filled record that sorts among the stored ones: merged in place, not appended
     _append(tmp_path / "b.jsonl", [timed(7)])
-    merged = tracetable.merge(stored, run(first.states).traces)
+    merged = tracetable.merge(stored, run(first.states).table)
     assert not merged.appended and merged.table.to_pylist() == run().traces
 
 

@@ -19,7 +19,9 @@ from typing import Protocol
 
 import orjson
 import pandas as pd
-import pandera.pandas as pa
+import pandera.pandas as pandera
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from flywheel.config import CollectConfig, SourceConfig
 from flywheel.data import schemas
@@ -36,6 +38,12 @@ _ISO_UTC = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{3})?Z")
 # json.dumps(value, ensure_ascii=False, ...) builds an encoder per call; these are the same encoders, built once
 _JSON_TEXT = json.JSONEncoder(ensure_ascii=False).encode
 _JSON_SORTED = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str).encode
+# The Traces contract's columns as Arrow types: written as they are, with no pandas metadata (whose row count
+# would differ between a table built whole and one appended to)
+SCHEMA = pa.schema([("trace_id", pa.string()), ("record_id", pa.string()), ("source", pa.string()),
+                    ("location", pa.string()), ("collected_at", pa.string()), ("messages", pa.string()),
+                    ("tools", pa.string()), ("outcome", pa.string()), ("score", pa.float64()),
+                    ("split", pa.string()), ("metadata", pa.string())])
 
 __all__ = ["BadRecord", "Collected", "Reader", "collect", "gc_paused", "normalise_messages", "to_trace"]
 
@@ -55,7 +63,7 @@ class Reader(Protocol):
 class Collected:
     """The traces and quarantine tables after this run, and what this run read, per source and kind."""
 
-    traces: list[dict]
+    table: pa.Table  # the traces, sorted, each trace_id once
     quarantine: list[dict]
     records: Counter = field(default_factory=Counter)  # per source: records read this run
     new: Counter = field(default_factory=Counter)  # per source: traces added to the table
@@ -66,6 +74,11 @@ class Collected:
     partial: int = 0
     states: dict[str, dict] = field(default_factory=dict)
     tasks: dict = field(default_factory=dict)  # with collect's task_of: (source, location) -> (trace_id, task)
+
+    @property
+    def traces(self) -> list[dict]:
+        """The traces table's rows as Python objects (tests, small tables: the stage keeps them in Arrow)."""
+        return self.table.to_pylist()
 
 
 def normalise_messages(messages) -> list[dict]:
@@ -285,12 +298,12 @@ def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
 
     The result does not depend on which records came in which run: duplicates keep the earliest row and both
     tables are sorted, so an incremental run writes the same tables as a full re-collect of the same records.
-    Records are processed in batches of BATCH (read, checked, normalised, redacted, pandera-checked and, with
-    `task_of`, made tasks: found.tasks, for tasksets.build_tasks), by `cfg.workers` processes once there is
-    more than one batch; the result does not depend on how many.
+    Records are processed in batches of BATCH (read, checked, normalised, redacted, made an Arrow table and
+    pandera-checked and, with `task_of`, made tasks: found.tasks, for tasksets.build_tasks), by `cfg.workers`
+    processes once there is more than one batch; the result does not depend on how many.
     """
-    found = Collected([], [])
-    rows: list[dict] = []
+    found = Collected(to_arrow([]), [])
+    tables: list[pa.Table] = []
     bad: list[dict] = []
     redacted: Counter = Counter()
     with _Batches(_Work(cfg, redactor, task_of), workers(cfg)) as batches:
@@ -301,13 +314,14 @@ def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
             for done in batches.run(label, reader.source, items):
                 found.records[label] += done.records
                 found.partial += done.partial
-                rows += done.rows
+                tables.append(done.table)
                 bad += done.bad
                 found.tasks.update(done.tasks)
                 redacted.update(done.redacted)
             found.states[label] = reader.state
 
-    found.traces, found.duplicates, found.new = keep_earliest(previous[0], rows)
+    rows = pa.concat_tables(tables) if tables else _placed(to_arrow([]))
+    found.table, found.duplicates, found.new, _ = keep_earliest(to_arrow(previous[0]), rows)
     unique = {tuple(q[k] for k in ("source", "location", "kind", "reason", "raw")): q for q in previous[1] + bad}
     found.quarantine = sorted(unique.values(), key=lambda q: (q["source"], *_place(q["location"]), q["kind"],
                                                               q["reason"], q["raw"]))
@@ -341,10 +355,11 @@ class _Work:
 
 @dataclass
 class _Done:
-    """One batch processed: its rows (schema-checked), quarantined records, tasks and redaction counts."""
+    """One batch processed: its rows (schema-checked, as Arrow, _placed), quarantined records, tasks and
+    redaction counts."""
 
     records: int
-    rows: list[dict] = field(default_factory=list)
+    table: pa.Table | None = None
     bad: list[dict] = field(default_factory=list)
     tasks: dict = field(default_factory=dict)  # (source, location) -> (trace_id, task_of's result)
     redacted: Counter = field(default_factory=Counter)
@@ -364,7 +379,7 @@ def _in_worker(label: str, source: SourceConfig, items: list) -> _Done:
 
 
 def _process(work: _Work, label: str, source: SourceConfig, items: list) -> _Done:
-    done = _Done(len(items))
+    done, rows = _Done(len(items)), []
     redactor, cfg = work.redactor, work.cfg
     redactor.counts = Counter()  # this batch's counts: the caller adds up every batch's
     for location, raw, record in items:
@@ -374,7 +389,7 @@ def _process(work: _Work, label: str, source: SourceConfig, items: list) -> _Don
         try:
             if isinstance(record, BadRecord):
                 raise record
-            done.rows.append(to_trace(record, source, location, cfg, redactor, label))
+            rows.append(to_trace(record, source, location, cfg, redactor, label))
         except PartialTurn:
             done.partial += 1
         except BadRecord as why:
@@ -382,10 +397,11 @@ def _process(work: _Work, label: str, source: SourceConfig, items: list) -> _Don
                 raw = json.dumps(record, ensure_ascii=False, default=str)
             done.bad.append({"source": label, "location": location, "kind": why.kind,
                              "reason": redactor.text(str(why)), "raw": redactor.text(raw)[:QUARANTINE_RAW_CHARS]})
-    done.rows, invalid = _schema_check(done.rows)
+    rows, table, invalid = _schema_check(rows)
+    done.table = _placed(table)
     done.bad += invalid
     if work.task_of is not None:
-        done.tasks = {(row["source"], row["location"]): (row["trace_id"], work.task_of(row)) for row in done.rows}
+        done.tasks = {(row["source"], row["location"]): (row["trace_id"], work.task_of(row)) for row in rows}
     done.redacted = redactor.counts
     return done
 
@@ -444,31 +460,61 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
         yield batch
 
 
-def keep_earliest(previous: list[dict], rows: list[dict]) -> tuple[list[dict], int, Counter]:
-    """Previous and new rows sorted, each trace_id's earliest kept; (rows, new duplicates, new kept per source)."""
-    best = {row["trace_id"]: row for row in previous}
-    duplicates = 0
-    for row in rows:
-        kept = best.get(row["trace_id"])
-        if kept is not None:
-            duplicates += 1
-            if order(row) >= order(kept):
-                continue
-        best[row["trace_id"]] = row
-    merged = sorted(best.values(), key=order)
-    fresh = {id(row) for row in rows}
-    return merged, duplicates, Counter(row["source"] for row in merged if id(row) in fresh)
+def to_arrow(rows: list[dict]) -> pa.Table:
+    """Rows as to_trace makes them, as an Arrow table of the traces schema (a column at a time: ~5x faster than
+    pa.Table.from_pylist, the same table)."""
+    return pa.table([pa.array([row[name] for row in rows], column.type) for name, column in
+                     zip(SCHEMA.names, SCHEMA, strict=True)], schema=SCHEMA)
 
 
-def _schema_check(rows: list[dict]) -> tuple[list[dict], list[dict]]:
-    """The traces contract checked on the new rows (lazily: every failure); rows that break it are quarantined."""
+_PLACE = ["_head", "_line"]  # _place(location), as two columns: what the table is sorted by after the time
+
+
+def _placed(table: pa.Table) -> pa.Table:
+    """The table with its rows' _place as the columns _PLACE (if it has not got them yet); the line number as
+    text that sorts as the number does (its digit count first), so no number is too large for a column."""
+    if table.schema.names[-len(_PLACE):] == _PLACE:
+        return table
+    heads, lines = [], []
+    for location in table.column("location").to_pylist():
+        head, line = _place(location)
+        heads.append(head)
+        lines.append(f"{len(digits := str(line)):04d}{digits}")
+    return table.append_column("_head", pa.array(heads, pa.string())).append_column("_line",
+                                                                                    pa.array(lines, pa.string()))
+
+
+def keep_earliest(previous: pa.Table, rows: pa.Table) -> tuple[pa.Table, int, Counter, pa.Table]:
+    """Previous and new rows sorted by `order`, each trace_id's earliest kept (of equals, the first given);
+    (the table, new rows whose trace_id was already there, new rows kept per source, the new rows kept)."""
+    previous, rows = _placed(previous.select(SCHEMA.names)), _placed(rows)
+    both = pa.concat_tables([previous, rows])
+    keys = [(name, "ascending") for name in ("collected_at", "source", *_PLACE, "trace_id")]
+    ranked = pc.sort_indices(both, sort_keys=keys)  # a stable sort: equals stay in the order given
+    seen: set[str] = set()
+    kept = []
+    for i, trace_id in zip(ranked.to_pylist(), both.column("trace_id").take(ranked).to_pylist(), strict=True):
+        if trace_id not in seen:
+            seen.add(trace_id)
+            kept.append(i)
+    new_ids = set(rows.column("trace_id").to_pylist())
+    duplicates = rows.num_rows - len(new_ids - set(previous.column("trace_id").to_pylist()))
+    table = both.take(pa.array(kept, pa.int64())).drop_columns(_PLACE).combine_chunks()
+    fresh = table.filter(pa.array([i >= previous.num_rows for i in kept], pa.bool_()))
+    return table, duplicates, Counter(fresh.column("source").to_pylist()), fresh
+
+
+def _schema_check(rows: list[dict]) -> tuple[list[dict], pa.Table, list[dict]]:
+    """The traces contract checked on the new rows (lazily: every failure); rows that break it are quarantined.
+    (The rows kept, them as Arrow, the quarantined.)"""
+    table = to_arrow(rows)
     if not rows:
-        return rows, []
+        return rows, table, []
     schema = schemas.Traces.to_schema().update_column("trace_id", unique=False)  # duplicates are merged later
     try:
-        schema.validate(pd.DataFrame(rows), lazy=True)
-        return rows, []
-    except pa.errors.SchemaErrors as err:
+        schema.validate(table.to_pandas(), lazy=True)
+        return rows, table, []
+    except pandera.errors.SchemaErrors as err:
         cases = err.failure_cases.dropna(subset=["index"])
     why: dict[int, list[str]] = {}
     for case in cases.itertuples():
@@ -477,7 +523,7 @@ def _schema_check(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     quarantined = [{"source": rows[i]["source"], "location": rows[i]["location"], "kind": "schema",
                     "reason": "; ".join(reasons), "raw": json.dumps(rows[i], default=str)[:QUARANTINE_RAW_CHARS]}
                    for i, reasons in sorted(why.items())]
-    return good, quarantined
+    return good, to_arrow(good), quarantined
 
 
 def _place(location: str) -> tuple[str, int]:
