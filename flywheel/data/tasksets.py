@@ -35,9 +35,10 @@ def row_task(row: dict) -> Task:
 TRACE_COLUMNS = ["trace_id", "source", "messages", "tools", "outcome", "score", "split"]
 
 
-def trace_task(env: Environment, heldout_fraction: float, trace: dict) -> tuple[str, str, dict] | None:
+def trace_task(env: Environment, heldout_fraction: float, trace: dict,
+               messages: list[dict] | None = None) -> tuple[str, str, dict] | None:
     """The task a traces-table row holds for this environment, split: (its id, its prompt hash, its tasks-table
-    row); None if it holds none.
+    row); None if it holds none. `messages`: the row's messages as a list, where the caller has them (collect).
 
     An environment with `task_from_trace` (replay) reads the whole row and sets the split; any other reads the
     messages and its task is split by its id. Both must depend on the row alone: collect builds these in its
@@ -47,7 +48,9 @@ def trace_task(env: Environment, heldout_fraction: float, trace: dict) -> tuple[
     if from_trace is not None:
         task = from_trace(trace, heldout_fraction)
     else:
-        task = env.task_from_messages(orjson.loads(trace["messages"]))  # our own JSON: orjson reads it as json
+        if messages is None:
+            messages = orjson.loads(trace["messages"])  # our own JSON: orjson reads it as json does
+        task = env.task_from_messages(messages)
         task = task and _with_split(task, split_of(task.task_id, heldout_fraction))
     return None if task is None else (task.task_id, prompt_hash(task.prompt), task_row(task, "trace"))
 

@@ -188,6 +188,12 @@ def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConf
 
     `label`, the source's label, saves deriving it again for every record.
     """
+    return _to_trace(record, source, location, cfg, redactor, label)[0]
+
+
+def _to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConfig, redactor: Redactor,
+              label: str | None) -> tuple[dict, list[dict]]:
+    """to_trace's row, and its messages as a list (what json.loads of the row's `messages` gives)."""
     parts = extract(record, source)
     messages, tools = normalise_messages(parts.messages), _list(parts.tools, "tools")
     tools_text = _tools_text(tools)
@@ -221,7 +227,7 @@ def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConf
         "score": parts.score,
         "split": split_of(prompt_hash(prompt), cfg.heldout_fraction),
         "metadata": metadata_text,
-    }
+    }, messages
 
 
 def _same(value):
@@ -293,7 +299,7 @@ def gc_paused() -> Iterator[None]:
 
 def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
             previous: tuple[list[dict], list[dict]] = ([], []), since: dict[str, dict] | None = None,
-            task_of: Callable[[dict], object] | None = None) -> Collected:
+            task_of: Callable[[dict, list[dict]], object] | None = None) -> Collected:
     """Previous rows plus every record the readers yield (after their watermarks in `since`, if given).
 
     The result does not depend on which records came in which run: duplicates keep the earliest row and both
@@ -350,7 +356,7 @@ class _Work:
 
     cfg: CollectConfig
     redactor: Redactor
-    task_of: Callable[[dict], object] | None
+    task_of: Callable[[dict, list[dict]], object] | None  # (a row, its messages as a list) -> its task
 
 
 @dataclass
@@ -379,7 +385,7 @@ def _in_worker(label: str, source: SourceConfig, items: list) -> _Done:
 
 
 def _process(work: _Work, label: str, source: SourceConfig, items: list) -> _Done:
-    done, rows = _Done(len(items)), []
+    done, rows, parsed = _Done(len(items)), [], {}
     redactor, cfg = work.redactor, work.cfg
     redactor.counts = Counter()  # this batch's counts: the caller adds up every batch's
     for location, raw, record in items:
@@ -389,7 +395,9 @@ def _process(work: _Work, label: str, source: SourceConfig, items: list) -> _Don
         try:
             if isinstance(record, BadRecord):
                 raise record
-            rows.append(to_trace(record, source, location, cfg, redactor, label))
+            row, messages = _to_trace(record, source, location, cfg, redactor, label)
+            rows.append(row)
+            parsed[id(row)] = messages
         except PartialTurn:
             done.partial += 1
         except BadRecord as why:
@@ -401,7 +409,8 @@ def _process(work: _Work, label: str, source: SourceConfig, items: list) -> _Don
     done.table = _placed(table)
     done.bad += invalid
     if work.task_of is not None:
-        done.tasks = {(row["source"], row["location"]): (row["trace_id"], work.task_of(row)) for row in rows}
+        done.tasks = {(row["source"], row["location"]): (row["trace_id"], work.task_of(row, parsed[id(row)]))
+                      for row in rows}
     done.redacted = redactor.counts
     return done
 

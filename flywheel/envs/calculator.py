@@ -161,20 +161,34 @@ def _task_of_text(text: str) -> Task | None:
     # kept per text: an agent's users ask the same questions again and again, and collect makes a task of every
     # trace (frozen Tasks; their prompts are read, never changed)
     expression = find_expression(text)
-    if expression is None:
+    solved = None if expression is None else _solved(expression)
+    if solved is None:
         return None
+    answer, slice_ = solved
+    prompt = [{"role": "user", "content": text}]
+    return Task(task_id=prompt_hash(prompt), env="calculator", prompt=prompt, answer=answer, slice=slice_)
+
+
+@lru_cache(maxsize=1 << 16)
+def _solved(expression: str) -> tuple[str, str] | None:
+    """An expression's answer (JSON text) and slice, or None if it fails or is no integer; kept per expression:
+    the same sums come in many wordings (evaluating is half the cost of making a trace's task)."""
     try:
         value = evaluate(expression)
     except ToolError:
         return None
     if isinstance(value, float) and not value.is_integer():
         return None
-    return _task([{"role": "user", "content": text}], expression, value)
+    return _answer(expression, value), slice_of(expression)
 
 
 def _task(prompt: list[dict], expression: str, value: float) -> Task:
-    return Task(task_id=prompt_hash(prompt), env="calculator", prompt=prompt,
-                answer=json.dumps({"expression": expression, "value": int(value)}), slice=slice_of(expression))
+    return Task(task_id=prompt_hash(prompt), env="calculator", prompt=prompt, answer=_answer(expression, value),
+                slice=slice_of(expression))
+
+
+def _answer(expression: str, value: float) -> str:
+    return json.dumps({"expression": expression, "value": int(value)})
 
 
 def answer(task: Task, messages: list[dict]) -> float:
