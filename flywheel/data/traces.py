@@ -509,7 +509,8 @@ def keep_earliest(previous: pa.Table, rows: pa.Table) -> tuple[pa.Table, int, Co
     new_ids = set(rows.column("trace_id").to_pylist())
     duplicates = rows.num_rows - len(new_ids - set(previous.column("trace_id").to_pylist()))
     table = both.take(pa.array(kept, pa.int64())).drop_columns(_PLACE).combine_chunks()
-    fresh = table.filter(pa.array([i >= previous.num_rows for i in kept], pa.bool_()))
+    fresh = table if not previous.num_rows else (  # a full collect's: every row, not a copy of them
+        table.filter(pa.array([i >= previous.num_rows for i in kept], pa.bool_())))
     return table, duplicates, Counter(fresh.column("source").to_pylist()), fresh
 
 

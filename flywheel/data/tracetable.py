@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -75,14 +76,17 @@ def write(catalog: Catalog, rows: pa.Table, incremental: bool, same_tasks: bool,
     are built and appended; otherwise the tasks table is built from every trace.
     """
     merged = merge(catalog.read_arrow("traces") if incremental else None, rows)
-    catalog.write_arrow("traces", merged.table)
-    if merged.appended and same_tasks:
-        stored = catalog.read_arrow("tasks").cast(tasksets.SCHEMA)
-        added = tasksets.to_arrow(build(merged.fresh, tasksets.known_keys(stored)))
-        tasks = pa.concat_tables([stored, added]).combine_chunks()
-    else:
-        tasks = added = tasksets.to_arrow(build(merged.table, None))
-    catalog.check("tasks", added.to_pandas())  # the new rows, once
+    # Parquet is written outside the GIL: the traces table on a thread of its own while the tasks are built
+    with ThreadPoolExecutor(1) as thread:
+        traces_written = thread.submit(catalog.write_arrow, "traces", merged.table)
+        if merged.appended and same_tasks:
+            stored = catalog.read_arrow("tasks").cast(tasksets.SCHEMA)
+            added = tasksets.to_arrow(build(merged.fresh, tasksets.known_keys(stored)))
+            tasks = pa.concat_tables([stored, added]).combine_chunks()
+        else:
+            tasks = added = tasksets.to_arrow(build(merged.table, None))
+        catalog.check("tasks", added.to_pandas())  # the new rows, once
+        traces_written.result()
     catalog.write_arrow("tasks", tasks)
     return Written(merged.table.column("outcome"), tasks, merged.new, merged.duplicates)
 
