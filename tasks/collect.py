@@ -15,7 +15,7 @@ from flywheel.data.redaction import Redactor
 from flywheel.data.schemas import Quarantine
 from flywheel.data.shapes import SourceError
 from flywheel.data.sources import FileReader, readers, remote_fingerprint
-from flywheel.data.tasksets import build_tasks, trace_task
+from flywheel.data.tasksets import made_tasks, task_table
 from flywheel.data.traces import collect as collect_traces
 from flywheel.data.traces import gc_paused, table_rows
 from flywheel.stages import StageResult
@@ -59,7 +59,7 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
         quarantine = table_rows(catalog.read("quarantine")) if since is not None else []
         with gc_paused():
             found = collect_traces(sources, cfg.collect, Redactor(cfg.collect.redact), ([], quarantine), since,
-                                   task_of=partial(trace_task, env, cfg.collect.heldout_fraction))
+                                   tasks_of=partial(made_tasks, env, cfg.collect.heldout_fraction))
 
         read, bad = sum(found.records.values()), sum(found.bad.values())
         bad_fraction = bad / max(read, 1)
@@ -72,7 +72,7 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
                     f"{bad} of {read} records read ({bad_fraction:.0%}) are malformed, over max_bad_fraction "
                     f"{cfg.collect.max_bad_fraction:.0%}; most common: {found.reasons.most_common(3)}; "
                     f"see {catalog.table_path('quarantine')}")
-            build = partial(build_tasks, env, cfg.environment, cfg.collect.heldout_fraction, made=found.tasks)
+            build = partial(task_table, env, cfg.environment, cfg.collect.heldout_fraction)
             with gc_paused():
                 tables = tracetable.write(catalog, found.table, since is not None, same_tasks, build)
         else:  # nothing new: no table is read whole or written, so the bytes on disk stay as they are

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import orjson
@@ -42,7 +42,7 @@ def trace_task(env: Environment, heldout_fraction: float, trace: dict,
 
     An environment with `task_from_trace` (replay) reads the whole row and sets the split; any other reads the
     messages and its task is split by its id. Both must depend on the row alone: collect builds these in its
-    worker processes (flywheel/data/traces.py) and build_tasks takes them as built.
+    worker processes (made_tasks) and task_table takes them as made.
     """
     from_trace = getattr(env, "task_from_trace", None)
     if from_trace is not None:
@@ -55,29 +55,43 @@ def trace_task(env: Environment, heldout_fraction: float, trace: dict,
     return None if task is None else (task.task_id, prompt_hash(task.prompt), task_row(task, "trace"))
 
 
+# A trace's task as collect's workers make it (made_tasks), in columns beside the trace's row through collect's
+# sorting and merging: whether it was made, its prompt hash, and its tasks-table row (origin: "trace")
+MADE = pa.schema([("task:made", pa.bool_()), ("task:digest", pa.string()),
+                  *((f"task:{name}", pa.string()) for name in SCHEMA.names[:-1])])
+
+
+def made_tasks(env: Environment, heldout_fraction: float, rows: list[dict], messages: list[list[dict]]) -> pa.Table:
+    """trace_task of each traces-table row (given its messages as lists), as the columns MADE, row for row."""
+    found = [trace_task(env, heldout_fraction, row, listed) for row, listed in zip(rows, messages, strict=True)]
+    columns = [pa.array([True] * len(found), pa.bool_()), pa.array([f and f[1] for f in found], pa.string())]
+    columns += [pa.array([f and f[2][name] for f in found], pa.string()) for name in SCHEMA.names[:-1]]
+    return pa.table(columns, schema=MADE)
+
+
 def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, traces: pa.Table | Iterable[dict],
-                known: set[str] | None = None, made: dict | None = None) -> list[dict]:
+                known: set[str] | None = None) -> list[dict]:
+    """task_table's rows."""
+    return task_table(env, cfg, heldout_fraction, traces, known).to_pylist()
+
+
+def task_table(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, traces: pa.Table | Iterable[dict],
+               known: set[str] | None = None) -> pa.Table:
     """Draw generated tasks until both splits are full, then add the traces' verifiable tasks; no duplicates.
 
     `traces` are traces-table rows (at least `messages`, JSON text) in table order, or the table, each made a
-    task by trace_task, or taken from `made` (collect's: (source, location) -> (trace_id, trace_task's result))
-    when it holds that row. A task whose prompt hash is already taken (by a generated task or an earlier
-    trace's) is left out. With `known`, the ids and prompt hashes of the tasks built from the traces before
-    these ones, only the tasks new to those are returned: appended to that table, they make the table a build
-    over all the traces makes.
+    task by trace_task, or taken from the table's MADE columns where it has them (collect's). A task whose
+    prompt hash is already taken (by a generated task or an earlier trace's) is left out. With `known`, the ids
+    and prompt hashes of the tasks built from the traces before these ones, only the tasks new to those are
+    returned: appended to that table, they make the table a build over all the traces makes.
     """
     rows: dict[str, dict] = {}
     if known is None:
         _generate(env, cfg, heldout_fraction, rows)
     prompts = {prompt_hash(json.loads(row["prompt"])) for row in rows.values()} | (known or set())
     known = known or set()
-    made = made or {}
-    for trace in _rows(traces, made):
-        kept = made.get((trace.get("source"), trace.get("location")))
-        if kept is not None and kept[0] == trace.get("trace_id"):
-            found = kept[1]
-        else:
-            found = trace_task(env, heldout_fraction, trace)
+    generated = len(rows)
+    for i, found in enumerate(_trace_tasks(env, heldout_fraction, traces)):
         if found is None:
             continue
         task_id, digest, row = found
@@ -86,20 +100,39 @@ def build_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: floa
         if digest in prompts:
             continue  # one prompt, one task: whichever task set had it first keeps it
         prompts.add(digest)
-        rows[task_id] = row
-    return list(rows.values())
+        rows[task_id] = i if row is None else row  # i: the row in the table's MADE columns
+    picked = list(rows.values())
+    made = [i for i in picked[generated:] if type(i) is int]
+    if not made:
+        return to_arrow(picked)
+    names = [f"task:{name}" for name in SCHEMA.names[:-1]]
+    taken = traces.select(names).take(pa.array(made, pa.int64())).rename_columns(SCHEMA.names[:-1])
+    taken = taken.append_column("origin", pa.array(["trace"] * len(made), pa.string()))
+    if len(made) == len(picked) - generated:  # every trace's task as collect made it: no row in Python
+        return pa.concat_tables([to_arrow(picked[:generated]), taken]).combine_chunks()
+    as_rows = dict(zip(made, taken.to_pylist(), strict=True))
+    return to_arrow([as_rows[row] if type(row) is int else row for row in picked])
 
 
-def _rows(traces: pa.Table | Iterable[dict], made: dict) -> Iterable[dict]:
-    """A table's rows: only their keys where `made` holds every row's task (whole rows cost ~10x more)."""
+def _trace_tasks(env: Environment, heldout_fraction: float, traces: pa.Table | Iterable[dict]) -> Iterator:
+    """trace_task of each trace, in order; of a table row with MADE columns made, (task id, prompt hash, None)."""
     if not isinstance(traces, pa.Table):
-        return traces
-    keys = ("source", "location", "trace_id")
-    columns = [traces.column(k).to_pylist() for k in keys]
-    rows = [dict(zip(keys, key, strict=True)) for key in zip(*columns, strict=True)]
-    if all(made.get((row["source"], row["location"]), (None,))[0] == row["trace_id"] for row in rows):
-        return rows
-    return traces.select(list(dict.fromkeys([*TRACE_COLUMNS, "location"]))).to_pylist()
+        yield from (trace_task(env, heldout_fraction, trace) for trace in traces)
+        return
+    n = traces.num_rows
+    made = traces.column("task:made").to_pylist() if "task:made" in traces.column_names else [None] * n
+    ids = traces.column("task:task_id").to_pylist() if any(made) else made
+    digests = traces.column("task:digest").to_pylist() if any(made) else made
+    missing = [i for i, done in enumerate(made) if not done]  # read from the table as rows only if there are any
+    rows = dict(zip(missing, traces.select(TRACE_COLUMNS).take(pa.array(missing, pa.int64())).to_pylist(),
+                    strict=True)) if missing else {}
+    for i in range(n):
+        if not made[i]:
+            yield trace_task(env, heldout_fraction, rows[i])
+        elif ids[i] is not None:
+            yield ids[i], digests[i], None
+        else:
+            yield None
 
 
 def known_keys(tasks: pa.Table) -> set[str]:

@@ -63,7 +63,7 @@ class Reader(Protocol):
 class Collected:
     """The traces and quarantine tables after this run, and what this run read, per source and kind."""
 
-    table: pa.Table  # the traces, sorted, each trace_id once
+    table: pa.Table  # the traces, sorted, each trace_id once; with tasks_of, its columns too (not the table's)
     quarantine: list[dict]
     records: Counter = field(default_factory=Counter)  # per source: records read this run
     new: Counter = field(default_factory=Counter)  # per source: traces added to the table
@@ -73,12 +73,11 @@ class Collected:
     duplicates: int = 0
     partial: int = 0
     states: dict[str, dict] = field(default_factory=dict)
-    tasks: dict = field(default_factory=dict)  # with collect's task_of: (source, location) -> (trace_id, task)
 
     @property
     def traces(self) -> list[dict]:
         """The traces table's rows as Python objects (tests, small tables: the stage keeps them in Arrow)."""
-        return self.table.to_pylist()
+        return self.table.select(SCHEMA.names).to_pylist()
 
 
 def normalise_messages(messages) -> list[dict]:
@@ -299,20 +298,21 @@ def gc_paused() -> Iterator[None]:
 
 def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
             previous: tuple[list[dict], list[dict]] = ([], []), since: dict[str, dict] | None = None,
-            task_of: Callable[[dict, list[dict]], object] | None = None) -> Collected:
+            tasks_of: Callable[[list[dict], list[list[dict]]], pa.Table] | None = None) -> Collected:
     """Previous rows plus every record the readers yield (after their watermarks in `since`, if given).
 
     The result does not depend on which records came in which run: duplicates keep the earliest row and both
     tables are sorted, so an incremental run writes the same tables as a full re-collect of the same records.
     Records are processed in batches of BATCH (read, checked, normalised, redacted, made an Arrow table and
-    pandera-checked and, with `task_of`, made tasks: found.tasks, for tasksets.build_tasks), by `cfg.workers`
-    processes once there is more than one batch; the result does not depend on how many.
+    pandera-checked and, with `tasks_of(rows, their messages)`, given its columns: tasksets.made_tasks, the
+    rows' tasks, for tasksets.task_table), by `cfg.workers` processes once there is more than one batch; the
+    result does not depend on how many.
     """
     found = Collected(to_arrow([]), [])
     tables: list[pa.Table] = []
     bad: list[dict] = []
     redacted: Counter = Counter()
-    with _Batches(_Work(cfg, redactor, task_of), workers(cfg)) as batches:
+    with _Batches(_Work(cfg, redactor, tasks_of), workers(cfg)) as batches:
         for reader in readers:
             label = reader.source.label
             after = None if since is None else since.get(label)
@@ -322,7 +322,6 @@ def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
                 found.partial += done.partial
                 tables.append(done.table)
                 bad += done.bad
-                found.tasks.update(done.tasks)
                 redacted.update(done.redacted)
             found.states[label] = reader.state
 
@@ -356,18 +355,17 @@ class _Work:
 
     cfg: CollectConfig
     redactor: Redactor
-    task_of: Callable[[dict, list[dict]], object] | None  # (a row, its messages as a list) -> its task
+    tasks_of: Callable[[list[dict], list[list[dict]]], pa.Table] | None  # columns beside the rows (their tasks)
 
 
 @dataclass
 class _Done:
-    """One batch processed: its rows (schema-checked, as Arrow, _placed), quarantined records, tasks and
-    redaction counts."""
+    """One batch processed: its rows (schema-checked, as Arrow, with tasks_of's columns, _placed), quarantined
+    records and redaction counts."""
 
     records: int
     table: pa.Table | None = None
     bad: list[dict] = field(default_factory=list)
-    tasks: dict = field(default_factory=dict)  # (source, location) -> (trace_id, task_of's result)
     redacted: Counter = field(default_factory=Counter)
     partial: int = 0
 
@@ -406,11 +404,12 @@ def _process(work: _Work, label: str, source: SourceConfig, items: list) -> _Don
             done.bad.append({"source": label, "location": location, "kind": why.kind,
                              "reason": redactor.text(str(why)), "raw": redactor.text(raw)[:QUARANTINE_RAW_CHARS]})
     rows, table, invalid = _schema_check(rows)
-    done.table = _placed(table)
     done.bad += invalid
-    if work.task_of is not None:
-        done.tasks = {(row["source"], row["location"]): (row["trace_id"], work.task_of(row, parsed[id(row)]))
-                      for row in rows}
+    if work.tasks_of is not None:
+        beside = work.tasks_of(rows, [parsed[id(row)] for row in rows])
+        for name, column in zip(beside.column_names, beside.columns, strict=True):
+            table = table.append_column(name, column)
+    done.table = _placed(table)
     done.redacted = redactor.counts
     return done
 
@@ -495,8 +494,16 @@ def _placed(table: pa.Table) -> pa.Table:
 
 def keep_earliest(previous: pa.Table, rows: pa.Table) -> tuple[pa.Table, int, Counter, pa.Table]:
     """Previous and new rows sorted by `order`, each trace_id's earliest kept (of equals, the first given);
-    (the table, new rows whose trace_id was already there, new rows kept per source, the new rows kept)."""
-    previous, rows = _placed(previous.select(SCHEMA.names)), _placed(rows)
+    (the table, new rows whose trace_id was already there, new rows kept per source, the new rows kept).
+
+    Columns the new rows have beside the traces schema (collect's tasks_of) are kept, null for previous rows.
+    """
+    rows = _placed(rows)
+    previous = previous.select(SCHEMA.names)
+    for column in rows.schema:
+        if column.name not in SCHEMA.names and column.name not in _PLACE:
+            previous = previous.append_column(column, pa.nulls(previous.num_rows, column.type))
+    previous = _placed(previous)
     both = pa.concat_tables([previous, rows])
     keys = [(name, "ascending") for name in ("collected_at", "source", *_PLACE, "trace_id")]
     ranked = pc.sort_indices(both, sort_keys=keys)  # a stable sort: equals stay in the order given

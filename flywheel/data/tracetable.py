@@ -27,15 +27,17 @@ __all__ = ["SCHEMA", "Merged", "Written", "merge", "to_arrow", "unchanged", "wri
 class Merged:
     """The traces table after this run, and what this run added to it."""
 
-    table: pa.Table
-    fresh: pa.Table  # the rows this run added, in table order
+    table: pa.Table  # with the columns collect gave its new rows beside the traces' (tasks_of), if any
+    fresh: pa.Table  # the rows this run added, in table order (with those columns)
     appended: bool  # the table is the stored one with `fresh` after it
     duplicates: int  # new rows whose trace was already stored
     new: Counter  # per source: rows added
 
 
 def merge(stored: pa.Table | None, rows: pa.Table) -> Merged:
-    """The stored table plus new rows (collect's: sorted, each trace_id once), as keep_earliest merges them."""
+    """The stored table plus new rows (collect's: sorted, each trace_id once), as keep_earliest merges them.
+
+    Columns the new rows carry beside the traces schema (their tasks) stay beside them, null for stored rows."""
     if stored is None or stored.num_rows == 0:
         return Merged(rows, rows, True, 0, Counter(rows.column("source").to_pylist()))
     stored = stored.select(SCHEMA.names).cast(SCHEMA)
@@ -50,7 +52,7 @@ def merge(stored: pa.Table | None, rows: pa.Table) -> Merged:
     # later copy of a stored trace comes after its stored copy, which therefore stays (a retried upload)
     later = all(order(row) >= order(k) for row, k in zip(twins, kept, strict=True))
     if later and (not fresh.num_rows or order(fresh.slice(0, 1).to_pylist()[0]) > last):
-        table = pa.concat_tables([stored, fresh]).combine_chunks()
+        table = pa.concat_tables([stored, fresh.select(SCHEMA.names)]).combine_chunks()
         return Merged(table, fresh, True, len(twins), Counter(fresh.column("source").to_pylist()))
     # new rows among the stored ones: sorted again as a whole (the slow path, for late or back-filled records)
     table, duplicates, new, fresh = keep_earliest(stored, rows)
@@ -68,23 +70,23 @@ class Written:
 
 
 def write(catalog: Catalog, rows: pa.Table, incremental: bool, same_tasks: bool,
-          build: Callable[[pa.Table, set[str] | None], list[dict]]) -> Written:
+          build: Callable[[pa.Table, set[str] | None], pa.Table]) -> Written:
     """Merge new trace rows (collect's table) into the stored traces (if `incremental`); write both tables.
 
-    `build(traces, known)` is tasksets.build_tasks for the pipeline's environment. When the traces were
+    `build(traces, known)` is tasksets.task_table for the pipeline's environment. When the traces were
     appended and the tasks table was built the way it would be now (`same_tasks`), only the new traces' tasks
     are built and appended; otherwise the tasks table is built from every trace.
     """
     merged = merge(catalog.read_arrow("traces") if incremental else None, rows)
     # Parquet is written outside the GIL: the traces table on a thread of its own while the tasks are built
     with ThreadPoolExecutor(1) as thread:
-        traces_written = thread.submit(catalog.write_arrow, "traces", merged.table)
+        traces_written = thread.submit(catalog.write_arrow, "traces", merged.table.select(SCHEMA.names))
         if merged.appended and same_tasks:
             stored = catalog.read_arrow("tasks").cast(tasksets.SCHEMA)
-            added = tasksets.to_arrow(build(merged.fresh, tasksets.known_keys(stored)))
+            added = build(merged.fresh, tasksets.known_keys(stored))
             tasks = pa.concat_tables([stored, added]).combine_chunks()
         else:
-            tasks = added = tasksets.to_arrow(build(merged.table, None))
+            tasks = added = build(merged.table, None)
         catalog.check("tasks", added.to_pandas())  # the new rows, once
         traces_written.result()
     catalog.write_arrow("tasks", tasks)
