@@ -7,6 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
+
 from flywheel.config import CollectConfig
 from flywheel.data import watermarks
 from flywheel.data.catalog import Catalog
@@ -223,3 +225,38 @@ def test_a_worker_that_dies_fails_the_collect_with_what_to_do(tmp_path, monkeypa
     one = CollectConfig(sources=["*.jsonl"], workers=1)
     found = collect([FileReader(one.sources[0], tmp_path, one.max_record_bytes)], one, Redactor(one.redact))
     assert len(found.traces) == 30
+
+
+def test_the_tasks_table_takes_the_tasks_collect_made_and_makes_the_rest(tmp_path):
+    """A merged table whose task columns hold the new rows' tasks (made in collect) and nothing for the stored
+    rows: task_table makes the stored rows' tasks itself and builds the table it builds from the rows alone."""
+    from functools import partial
+
+    from flywheel.config import EnvironmentConfig
+    from flywheel.data import tasksets, tracetable
+    from flywheel.envs import load_environment
+
+    env_cfg = EnvironmentConfig(name="calculator", train_tasks=4, heldout_tasks=2)
+    env = load_environment(env_cfg, tmp_path)
+    cfg = CollectConfig(sources=["*.jsonl"])
+    _append(tmp_path / "b.jsonl", [_record(n) for n in range(0, 40, 2)])
+    first = collect([FileReader(cfg.sources[0], tmp_path, cfg.max_record_bytes)], cfg, Redactor(cfg.redact))
+    _append(tmp_path / "b.jsonl", [_record(n) for n in range(1, 40, 2)])  # their times fall among the stored ones
+    new = collect([FileReader(cfg.sources[0], tmp_path, cfg.max_record_bytes)], cfg, Redactor(cfg.redact),
+                  since=first.states, tasks_of=partial(tasksets.made_tasks, env, 0.1)).table
+    assert new.num_rows == 20 and new.column("task:made").to_pylist() == [True] * 20  # made for every new row
+    stored = first.table
+    merged = tracetable.merge(stored, new)
+    assert not merged.appended and merged.table.column("task:made").null_count == stored.num_rows
+    rows = merged.table.select(tracetable.SCHEMA.names).to_pylist()
+    expected = tasksets.build_tasks(env, env_cfg, 0.1, rows)
+    assert sum(row["origin"] == "trace" for row in expected) > 20
+    assert tasksets.task_table(env, env_cfg, 0.1, merged.table).to_pylist() == expected
+    # the made columns are what it takes for those rows (not made again): a changed one shows
+    answers = merged.table.column("task:answer").to_pylist()
+    made = next(i for i, done in enumerate(merged.table.column("task:made").to_pylist()) if done)
+    answers[made] = '{"expression": "changed", "value": 0}'
+    changed = merged.table.set_column(merged.table.column_names.index("task:answer"), "task:answer",
+                                      pa.array(answers, pa.string()))
+    built = tasksets.task_table(env, env_cfg, 0.1, changed).to_pylist()
+    assert [row["answer"] for row in built].count('{"expression": "changed", "value": 0}') == 1
