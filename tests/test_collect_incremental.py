@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 
 from flywheel.config import CollectConfig
-from flywheel.data import watermarks
+from flywheel.data import sources, watermarks
 from flywheel.data.catalog import Catalog
 from flywheel.data.lineage import dvc_md5
 from flywheel.data.redaction import Redactor
@@ -32,20 +34,38 @@ def _append(path: Path, lines: list[str], newline: bool = True) -> None:
         handle.write("\n".join(lines) + ("\n" if newline else ""))
 
 
-def test_a_file_reader_resumes_where_it_stopped(tmp_path):
+@pytest.mark.parametrize("block_bytes", [sources.BLOCK_BYTES, 1, 60])
+@pytest.mark.parametrize("parse", [True, False])
+def test_a_file_reader_resumes_where_it_stopped(tmp_path, monkeypatch, parse, block_bytes):
+    """Lines read in blocks of any size (a line longer than a block, blank lines, CRLF, a last line still being
+    written) give the records and watermarks line-by-line reading gives, parsed here or in blocks (Lines)."""
+    monkeypatch.setattr(sources, "BLOCK_BYTES", block_bytes)
     log = tmp_path / "a.jsonl"
-    _append(log, [_record(1), _record(2)])
+    _append(log, [_record(1), _record(2) + "\r"])
     _append(log, [_record(3)], newline=False)  # still being written
     cfg = CollectConfig(sources=["*.jsonl"])
     reader = FileReader(cfg.sources[0], tmp_path, cfg.max_record_bytes)
-    assert [loc for loc, _, _ in reader.read(None)] == ["a.jsonl:1", "a.jsonl:2", "a.jsonl:3"]
+
+    def read(since):
+        items = []
+        for item in reader.read(since, parse=parse):
+            items += item.items(cfg.max_record_bytes) if isinstance(item, sources.Lines) else [item]
+        return items
+
+    items = read(None)
+    assert [loc for loc, _, _ in items] == ["a.jsonl:1", "a.jsonl:2", "a.jsonl:3"]
+    assert [record["id"] for _, _, record in items] == ["r1", "r2", "r3"]
     first = reader.state
-    assert first["files"]["a.jsonl"]["lines"] == 2, "the unfinished line is read again next time"
+    assert first["files"]["a.jsonl"] == {"bytes": log.stat().st_size - len(_record(3)), "lines": 2,
+                                         "md5": hashlib.md5(log.read_bytes()[:-len(_record(3))]).hexdigest()}, \
+        "the unfinished line is read again next time"
     _append(log, ["", "", _record(4)])
-    assert [loc for loc, _, _ in reader.read(first)] == ["a.jsonl:3", "a.jsonl:5"]
-    assert list(reader.read(reader.state)) == []
+    assert [loc for loc, _, _ in read(first)] == ["a.jsonl:3", "a.jsonl:5"]
+    assert reader.state["files"]["a.jsonl"] == {"bytes": log.stat().st_size, "lines": 5,
+                                                "md5": hashlib.md5(log.read_bytes()).hexdigest()}
+    assert read(reader.state) == []
     log.write_text(_record(9) + "\n")  # rewritten, not appended: read from the start
-    assert [loc for loc, _, _ in reader.read(first)] == ["a.jsonl:1"]
+    assert [loc for loc, _, _ in read(first)] == ["a.jsonl:1"]
 
 
 def test_incremental_and_full_collects_write_the_same_tables(tmp_path):
@@ -168,6 +188,7 @@ def test_worker_processes_write_the_tables_one_process_writes(tmp_path, mlflow_s
         {"role": "assistant", "content": f"{3 * n}"}]}) for n in range(60)]
     _append(log, extra + ["{bad", extra[0], "[1]"])
     monkeypatch.setattr(traces, "BATCH", 7)
+    monkeypatch.setattr(sources, "BLOCK_BYTES", 2_000)  # JSON Lines: a few records a block
     process, pids = traces._process, tmp_path / "pids"
 
     def noted(*args):  # which process did each batch (a file: the workers are other processes)
@@ -218,7 +239,7 @@ def test_a_worker_that_dies_fails_the_collect_with_what_to_do(tmp_path, monkeypa
             os._exit(9)
         return process(*args)
 
-    monkeypatch.setattr(traces, "BATCH", 7)
+    monkeypatch.setattr(sources, "BLOCK_BYTES", 1_000)
     monkeypatch.setattr(traces, "_process", dies)
     with pytest.raises(RuntimeError, match="ended abruptly .* `collect.workers: 1`"):
         collect([FileReader(cfg.sources[0], tmp_path, cfg.max_record_bytes)], cfg, Redactor(cfg.redact))
@@ -260,3 +281,22 @@ def test_the_tasks_table_takes_the_tasks_collect_made_and_makes_the_rest(tmp_pat
                                       pa.array(answers, pa.string()))
     built = tasksets.task_table(env, env_cfg, 0.1, changed).to_pylist()
     assert [row["answer"] for row in built].count('{"expression": "changed", "value": 0}') == 1
+
+
+def test_bad_records_of_every_format_cross_to_the_worker_processes(tmp_path, monkeypatch):
+    """A .json file's element that is no object comes to a worker as a BadRecord (pickled), and is quarantined
+    with its kind and reason, as in one process."""
+    from flywheel.data import traces
+
+    (tmp_path / "a.json").write_text(json.dumps([json.loads(_record(1)), 5, json.loads(_record(2))]))
+    _append(tmp_path / "b.jsonl", [_record(n) for n in range(3, 9)])
+    monkeypatch.setattr(traces, "BATCH", 1)
+    found = {}
+    for workers in (1, 2):
+        cfg = CollectConfig(sources=["*.json*"], workers=workers)
+        found[workers] = collect([FileReader(cfg.sources[0], tmp_path, cfg.max_record_bytes)], cfg,
+                                 Redactor(cfg.redact))
+    assert [(q["location"], q["kind"], q["reason"]) for q in found[2].quarantine] == \
+        [("a.json:2", "wrong_type", "element 2 is not an object")]
+    assert found[2].quarantine == found[1].quarantine and found[2].traces == found[1].traces
+    assert len(found[2].traces) == 8

@@ -21,6 +21,9 @@ class BadRecord(ValueError):
         super().__init__(reason)
         self.kind = kind
 
+    def __reduce__(self):  # pickled to and from collect's worker processes
+        return type(self), (self.kind, str(self))
+
 
 class SourceError(RuntimeError):
     """A source cannot be read at all (no such bucket, no access, no such experiment); names the source."""

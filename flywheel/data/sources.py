@@ -16,6 +16,7 @@ import io
 import json
 import zlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -27,6 +28,23 @@ from flywheel.data.shapes import BadRecord, SourceError
 from flywheel.data.tracing import MlflowReader
 
 Item = tuple[str, str | None, dict | BadRecord]
+BLOCK_BYTES = 4 << 20  # FileReader.read(parse=False): JSON Lines in blocks of about this many bytes of whole lines
+
+
+@dataclass
+class Lines:
+    """Whole JSON Lines lines of a file as read (the last may lack its newline), the first of them `first`;
+    split and read where the records are processed (a worker process), not where the file is read."""
+
+    name: str
+    first: int
+    data: bytes
+
+    def items(self, max_bytes: int) -> Iterator[Item]:
+        """Its records as FileReader.read(parse=True) yields them: blank lines skipped but counted."""
+        for number, raw in enumerate(self.data.split(b"\n"), start=self.first):
+            if raw.strip():
+                yield jsonl_line(raw.rstrip(b"\r\n"), f"{self.name}:{number}", max_bytes)
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
 
 
@@ -142,9 +160,9 @@ class FileReader:
     def files(self) -> list[Path]:
         return expand(self.root, self.source.path)
 
-    def read(self, since: dict | None, parse: bool = True) -> Iterator[Item]:
-        """parse=False: a JSON Lines file's lines come as (location, raw bytes, None), for `jsonl_line` to read
-        where the records are processed (a worker process), not here."""
+    def read(self, since: dict | None, parse: bool = True) -> Iterator[Item | Lines]:
+        """parse=False: a JSON Lines file's lines come as Lines, blocks of about BLOCK_BYTES, to be split and
+        read where the records are processed (a worker process), not here."""
         seen = (since or {}).get("files", {})
         state: dict[str, dict] = {}
         for path in self.files():
@@ -162,17 +180,19 @@ class FileReader:
                         digest = hashlib.md5()
                 handle.seek(skip)
                 if fmt == "jsonl" and not gz:
-                    # read line by line from where the last run stopped; a last line without its newline may
-                    # still be being written, so the watermark stays before it
+                    # read from where the last run stopped; a last line without its newline may still be being
+                    # written, so the watermark stays before it
                     done = {"bytes": skip, "lines": first_line - 1}
-                    for number, raw in enumerate(handle, start=first_line):
-                        if raw.endswith(b"\n"):
-                            digest.update(raw)
-                            done = {"bytes": done["bytes"] + len(raw), "lines": number}
-                        if raw.strip():
-                            line = raw.rstrip(b"\r\n")
-                            yield (jsonl_line(line, f"{name}:{number}", self.max_bytes) if parse else
-                                   (f"{name}:{number}", line, None))
+                    for block in _blocks(handle):
+                        whole = block.endswith(b"\n")
+                        lines = Lines(name, done["lines"] + 1, block)
+                        if parse:
+                            yield from lines.items(self.max_bytes)
+                        else:
+                            yield lines
+                        if whole:
+                            digest.update(block)
+                            done = {"bytes": done["bytes"] + len(block), "lines": done["lines"] + block.count(b"\n")}
                     state[name] = {**done, "md5": digest.hexdigest()}
                 elif skip:
                     state[name] = before
@@ -181,6 +201,20 @@ class FileReader:
                     yield from records(data, name, fmt, gz, self.max_bytes)
                     state[name] = {"bytes": len(data), "lines": 0, "md5": hashlib.md5(data).hexdigest()}
         self.state = {"files": state}
+
+
+def _blocks(handle: BinaryIO) -> Iterator[bytes]:
+    """The rest of the file in blocks of whole lines (about BLOCK_BYTES, or one line if longer), then the last
+    line if it has no newline."""
+    rest = b""
+    while chunk := handle.read(BLOCK_BYTES):
+        data = rest + chunk if rest else chunk
+        cut = data.rfind(b"\n") + 1
+        rest = data[cut:]
+        if cut:
+            yield data[:cut] if rest else data
+    if rest:
+        yield rest
 
 
 def _md5_prefix(handle: BinaryIO, size: int):

@@ -24,10 +24,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flywheel.config import CollectConfig, SourceConfig
-from flywheel.data import schemas
+from flywheel.data import schemas, sources
 from flywheel.data.redaction import Redactor
 from flywheel.data.shapes import BadRecord, PartialTurn, extract
-from flywheel.data.sources import FileReader, jsonl_line
+from flywheel.data.sources import FileReader, Lines
 from flywheel.envs.base import prompt_hash, split_of
 
 ROLES = {"system", "user", "assistant", "tool"}
@@ -383,12 +383,11 @@ def _in_worker(label: str, source: SourceConfig, items: list) -> _Done:
 
 
 def _process(work: _Work, label: str, source: SourceConfig, items: list) -> _Done:
-    done, rows, parsed = _Done(len(items)), [], {}
+    done, rows, parsed = _Done(0), [], {}
     redactor, cfg = work.redactor, work.cfg
     redactor.counts = Counter()  # this batch's counts: the caller adds up every batch's
-    for location, raw, record in items:
-        if record is None:  # a JSON Lines line as read (FileReader.read(parse=False))
-            location, raw, record = jsonl_line(raw, location, cfg.max_record_bytes)
+    for location, raw, record in _items(items, cfg.max_record_bytes):
+        done.records += 1
         location = redact_location(location, redactor)
         try:
             if isinstance(record, BadRecord):
@@ -457,13 +456,26 @@ class _Batches:
                                f"the stage's own process") from err
 
 
+def _items(items: list, max_bytes: int) -> Iterator[tuple]:
+    """A batch's records: Lines (FileReader.read(parse=False)) split and read here."""
+    for item in items:
+        if isinstance(item, Lines):
+            yield from item.items(max_bytes)
+        else:
+            yield item
+
+
 def _chunks(items: Iterable, size: int) -> Iterator[list]:
+    """Batches of about `size` records, a block of Lines counted as the records its bytes would hold at
+    sources.BLOCK_BYTES a batch (so a large file's blocks are a batch each, and small files share one)."""
     batch: list = []
+    weight = 0.0
     for item in items:
         batch.append(item)
-        if len(batch) == size:
+        weight += size * len(item.data) / sources.BLOCK_BYTES if isinstance(item, Lines) else 1
+        if weight >= size:
             yield batch
-            batch = []
+            batch, weight = [], 0.0
     if batch:
         yield batch
 
