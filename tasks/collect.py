@@ -17,7 +17,7 @@ from flywheel.data.shapes import SourceError
 from flywheel.data.sources import FileReader, readers, remote_fingerprint
 from flywheel.data.tasksets import made_tasks, task_table
 from flywheel.data.traces import collect as collect_traces
-from flywheel.data.traces import gc_paused, table_rows
+from flywheel.data.traces import gc_paused, system_allocator, table_rows
 from flywheel.stages import StageResult
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
@@ -57,7 +57,7 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
                                         f"file ({reader.source.path} under {root_path})")
         since = None if full else watermarks.load(root_path, pipeline, cfg.collect, paths)
         quarantine = table_rows(catalog.read("quarantine")) if since is not None else []
-        with gc_paused():
+        with gc_paused(), system_allocator():
             found = collect_traces(sources, cfg.collect, Redactor(cfg.collect.redact), ([], quarantine), since,
                                    tasks_of=partial(made_tasks, env, cfg.collect.heldout_fraction))
 
@@ -73,7 +73,7 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
                     f"{cfg.collect.max_bad_fraction:.0%}; most common: {found.reasons.most_common(3)}; "
                     f"see {catalog.table_path('quarantine')}")
             build = partial(task_table, env, cfg.environment, cfg.collect.heldout_fraction)
-            with gc_paused():
+            with gc_paused(), system_allocator():
                 tables = tracetable.write(catalog, found.table, since is not None, same_tasks, build)
         else:  # nothing new: no table is read whole or written, so the bytes on disk stay as they are
             tables = tracetable.unchanged(catalog)

@@ -300,3 +300,13 @@ def test_bad_records_of_every_format_cross_to_the_worker_processes(tmp_path, mon
         [("a.json:2", "wrong_type", "element 2 is not an object")]
     assert found[2].quarantine == found[1].quarantine and found[2].traces == found[1].traces
     assert len(found[2].traces) == 8
+
+
+def test_the_stage_allocates_arrow_from_the_system_allocator_and_puts_the_default_back():
+    from flywheel.data.traces import system_allocator
+
+    before = pa.default_memory_pool().backend_name
+    with system_allocator():
+        assert pa.default_memory_pool().backend_name == "system"
+        assert pa.array(["x" * 1000] * 10).buffers()[2].size >= 10_000  # allocations work from it
+    assert pa.default_memory_pool().backend_name == before

@@ -45,7 +45,8 @@ SCHEMA = pa.schema([("trace_id", pa.string()), ("record_id", pa.string()), ("sou
                     ("tools", pa.string()), ("outcome", pa.string()), ("score", pa.float64()),
                     ("split", pa.string()), ("metadata", pa.string())])
 
-__all__ = ["BadRecord", "Collected", "Reader", "collect", "gc_paused", "normalise_messages", "to_trace"]
+__all__ = ["BadRecord", "Collected", "Reader", "collect", "gc_paused", "normalise_messages", "system_allocator",
+           "to_trace"]
 
 
 class Reader(Protocol):
@@ -294,6 +295,23 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+@contextmanager
+def system_allocator() -> Iterator[None]:
+    """Arrow's buffers from the C library's malloc for a while (the default pool is process-wide, and forked
+    workers inherit it), the default pool again after.
+
+    Arrow's default pool (mimalloc) hands a freed batch's memory back to the OS and the next batch faults its
+    pages in again: collect's Arrow tables cost 6 µs a row with it and 1.8 µs without (200k rows in one
+    process: 1.1-1.2 s against 0.36 s).
+    """
+    before = pa.default_memory_pool()
+    pa.set_memory_pool(pa.system_memory_pool())
+    try:
+        yield
+    finally:
+        pa.set_memory_pool(before)
 
 
 def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
