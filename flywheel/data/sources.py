@@ -29,6 +29,7 @@ from flywheel.data.tracing import MlflowReader
 
 Item = tuple[str, str | None, dict | BadRecord]
 BLOCK_BYTES = 4 << 20  # FileReader.read(parse=False): JSON Lines in blocks of about this many bytes of whole lines
+_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
 
 
 @dataclass
@@ -45,7 +46,6 @@ class Lines:
         for number, raw in enumerate(self.data.split(b"\n"), start=self.first):
             if raw.strip():
                 yield jsonl_line(raw.rstrip(b"\r\n"), f"{self.name}:{number}", max_bytes)
-_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
 
 
 def format_of(name: str, source: SourceConfig) -> tuple[str | None, bool]:
