@@ -85,6 +85,9 @@ def one_seed(pipeline, env, train, heldout, seed: int, workdir: Path, confidence
             "rl_reward_first": round(summary.get("reward_mean_first", float("nan")), 4),
             "rl_reward_last": round(summary.get("reward_mean_last", float("nan")), 4),
             "reward_hacking": summary.get("reward_hacking"),
+            **({"best_version": summary["best_version"], "validation_pass_first": summary["validation_pass_first"],
+                "validation_pass_best": summary["validation_pass_best"],
+                "validation_pass_last": summary["validation_pass_last"]} if "best_version" in summary else {}),
             "sft_s": round(sft_s, 1), "rl_s": round(rl_s, 1), "loop_s": round(time.perf_counter() - started, 1)}
 
 

@@ -392,6 +392,13 @@ class RLConfig(Section):
     monitor_every: int = Field(0, ge=0)
     monitor_tasks: int = Field(32, ge=1)
     max_audit_drop: float = Field(0.1, ge=0, le=1)
+    # Early stopping: `validate_tasks` train tasks (the first by task id) are taken out of the tasks RL draws
+    # from; every `validate_every` steps (and before the first) the policy answers them greedily, and the run's
+    # output is the version that passed the most (ties: the higher mean reward, then the earlier version;
+    # version 0 is the starting checkpoint), not the last. Off: the last version.
+    keep_best: bool = False
+    validate_every: int = Field(10, ge=1)
+    validate_tasks: int = Field(64, ge=1)
 
     @model_validator(mode="after")
     def _actors_fit(self) -> RLConfig:

@@ -54,6 +54,8 @@ class Resumed:
     history: list[dict]
     behaviour: dict[int, dict[str, torch.Tensor]]  # older versions later steps are generated with, by version
     monitor: list[dict]  # the reward-hacking monitor's checks so far (its baseline is the first)
+    validation: list[dict]  # rl.keep_best's validation checks so far
+    best_state: dict[str, torch.Tensor] | None  # and the best version's weights, when it is not this one
 
 
 class Checkpoints:
@@ -78,20 +80,23 @@ class Checkpoints:
         state = torch.load(path / "state.pt", weights_only=True)
         extra = json.loads((path / "progress.json").read_text())
         return Resumed(int(path.name.split("-")[1]), path / "model", state["optimizer"], state["shuffle"],
-                       extra["rows"], extra["history"], state["behaviour"], extra.get("monitor", []))
+                       extra["rows"], extra["history"], state["behaviour"], extra.get("monitor", []),
+                       extra.get("validation", []), state.get("best"))
 
     def save(self, step: int, model, tokenizer, optimizer, shuffle: torch.Generator, rows: list[dict],
              history: list[dict], behaviour: dict[int, dict[str, torch.Tensor]],
-             monitor: list[dict] | None = None) -> Path:
+             monitor: list[dict] | None = None, validation: list[dict] | None = None,
+             best_state: dict[str, torch.Tensor] | None = None) -> Path:
         """Write the state after `step` steps: a temporary folder renamed into place, so a kill leaves none half."""
         final = self.folder / f"step-{step}"
         partial = self.folder / f".step-{step}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         save_student(model, tokenizer, partial / "model")
         (partial / "progress.json").write_text(json.dumps({"rows": rows, "history": history,
-                                                              "monitor": monitor or []}))
-        torch.save({"optimizer": optimizer.state_dict(), "shuffle": shuffle.get_state(), "behaviour": behaviour},
-                   partial / "state.pt")
+                                                              "monitor": monitor or [],
+                                                              "validation": validation or []}))
+        torch.save({"optimizer": optimizer.state_dict(), "shuffle": shuffle.get_state(), "behaviour": behaviour,
+                    "best": best_state}, partial / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         for old in self.folder.glob("step-*"):

@@ -29,6 +29,7 @@ from flywheel.train.rl.checkpoints import Checkpoints, fingerprint
 from flywheel.train.rl.generation import Actors, InProcess, Snapshots
 from flywheel.train.rl.learner import learn_on_batch, learning_rate
 from flywheel.train.rl.monitor import Monitor
+from flywheel.train.rl.selection import Selection, validation_split
 from flywheel.train.rl.source import Work, filtered_work, task_stream, work_items
 
 __all__ = ["task_stream", "train_rl"]
@@ -61,6 +62,8 @@ class _Start:
     history: list[dict] = field(default_factory=list)
     behaviour: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # versions kept for generation
     monitor: list[dict] = field(default_factory=list)  # the reward-hacking monitor's checks so far
+    validation: list[dict] = field(default_factory=list)  # rl.keep_best's checks so far
+    best_state: dict[str, torch.Tensor] | None = None  # and the best version's weights
 
 
 def _start(model_dir: Path, cfg: RLConfig, checkpoints: Checkpoints, device: str) -> _Start:
@@ -79,7 +82,7 @@ def _start(model_dir: Path, cfg: RLConfig, checkpoints: Checkpoints, device: str
     optimizer.load_state_dict(resumed.optimizer)
     shuffle.set_state(resumed.shuffle)
     return _Start(resumed.step, model, tokenizer, reference, optimizer, shuffle, resumed.rows, resumed.history,
-                  resumed.behaviour, resumed.monitor)
+                  resumed.behaviour, resumed.monitor, resumed.validation, resumed.best_state)
 
 
 @dataclass
@@ -111,6 +114,8 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     device: the learner's (student.device; auto: CUDA when present); each actor's is cfg.actor_devices[i] or it.
     monitor: audits the live policy every cfg.monitor_every steps (flywheel/train/rl/monitor.py); its checks
     stay on it for the caller's report, and its numbers join the step metrics and the summary.
+    cfg.keep_best: the output is the version that did best on a validation sample of `tasks`, which RL then
+    never draws (flywheel/train/rl/selection.py), not the last.
     """
     from flywheel.devices import resolve_device
     from flywheel.train.checkpoint import save_student
@@ -119,6 +124,7 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     timing = _Timing()
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.learner_threads)
+    validation, tasks = validation_split(tasks, cfg)
     checkpoints = Checkpoints(checkpoint_dir or Path(out_dir).parent / "rl-checkpoints",
                               fingerprint(Path(model_dir), tasks, cfg, env.name, max_turns))
     run = _start(model_dir, cfg, checkpoints, learner_device)
@@ -135,8 +141,10 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
                      final=len(work) == cfg.steps - run.first) if cfg.actors
               else InProcess(env, model, tokenizer, cfg, max_turns, snapshots, run.first))
     watch = _Watch(monitor, model, tokenizer, run.monitor)
+    selection = _Select(env, validation, cfg, max_turns, model, tokenizer, run)
     if run.first == 0:
         watch.check(0, history)
+        selection.check(0)
 
     timing.steps_started = time.perf_counter()
     learn_s = 0.0
@@ -162,9 +170,10 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
             metrics["lr"] = learning_rate(cfg, step)
             history.append(metrics)
             metrics |= watch.check(version + 1, history)
+            metrics |= selection.check(version + 1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 checkpoints.save(step + 1, model, tokenizer, run.optimizer, run.shuffle, rows, history,
-                                 snapshots.up_to(step), watch.checks)
+                                 snapshots.up_to(step), watch.checks, *selection.kept)
             timing.add(groups + stale, wait_s, learn_s)
             if on_step:
                 on_step(step, metrics)
@@ -172,9 +181,45 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
         source.close()
         torch.set_num_threads(threads)
 
+    selection.restore()
     save_student(model, tokenizer, out_dir)
     checkpoints.remove()
-    return rows, _summary(cfg, rows, history, timing, run.first) | watch.summary(history)
+    return rows, _summary(cfg, rows, history, timing, run.first) | watch.summary(history) | selection.summary()
+
+
+class _Select:
+    """rl.keep_best's validation, if on, run on the learner's live weights (greedy: no random numbers drawn)."""
+
+    def __init__(self, env: Environment, tasks: list[Task], cfg: RLConfig, max_turns: int, model: torch.nn.Module,
+                 tokenizer, run: _Start):
+        self.model = model
+        self.selection = None
+        if cfg.keep_best:
+            from flywheel.policies.hf import HFPolicy
+
+            self.selection = Selection(env, tasks, cfg, max_turns, list(run.validation), run.best_state)
+            self.policy = HFPolicy(model, tokenizer)
+
+    @property
+    def kept(self) -> tuple[list[dict], dict[str, torch.Tensor] | None]:
+        """What a checkpoint keeps: the checks so far and the best version's weights."""
+        if self.selection is None:
+            return [], None
+        return self.selection.checks, self.selection.best_state
+
+    def check(self, version: int) -> dict:
+        """The validation metrics when `version` is due; else none."""
+        if self.selection is None or not self.selection.due(version):
+            return {}
+        return self.selection.check(version, self.policy, self.model)
+
+    def restore(self) -> None:
+        """The best version's weights into the learner's model, for saving."""
+        if self.selection is not None:
+            self.selection.restore(self.model)
+
+    def summary(self) -> dict:
+        return self.selection.summary() if self.selection is not None else {}
 
 
 class _Watch:

@@ -1,0 +1,91 @@
+"""rl.keep_best: early stopping on a validation sample of train tasks, with real optimiser steps on the tiny
+student (the calculator with a graded rubric, so an untrained model's versions differ)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from test_rl_loop import CFG, GradedCalculator, weights
+
+from flywheel.envs.calculator import CalculatorEnv
+from flywheel.train.checkpoint import load_student
+from flywheel.train.rl.loop import train_rl
+from flywheel.train.rl.selection import VALIDATION_PASS, VALIDATION_REWARD, validation_split
+
+TASKS = list(itertools.islice(CalculatorEnv().generate_tasks(1), 16))
+KEEP = CFG.model_copy(update={"steps": 4, "tasks_per_step": 4, "lr": 2e-2, "keep_best": True,
+                              "validate_every": 1, "validate_tasks": 6})
+
+
+def ranked(checks: list[dict]) -> dict:
+    """The check keep_best must pick: most passed, then the higher mean reward, then the earlier version."""
+    return max(checks, key=lambda c: (c[VALIDATION_PASS], c[VALIDATION_REWARD], -c["version"]))
+
+
+def test_the_validation_sample_is_set_aside_from_the_tasks_rl_draws():
+    validation, rest = validation_split(TASKS, KEEP)
+    assert [t.task_id for t in validation] == [t.task_id for t in TASKS if t in validation]  # their order
+    assert {t.task_id for t in validation} == {t.task_id for t in sorted(TASKS, key=lambda t: t.task_id)[:6]}
+    assert rest == [t for t in TASKS if t not in validation]
+    assert validation_split(TASKS, CFG) == ([], TASKS)  # keep_best off: every task trains
+    with pytest.raises(ValueError, match=r"validate_tasks \(16\) train tasks aside .* only 16"):
+        validation_split(TASKS, KEEP.model_copy(update={"validate_tasks": 16}))
+
+
+def test_the_output_is_the_best_validated_version_and_learning_is_unchanged(tiny_student, tmp_path):
+    seen = []
+    rows, summary = train_rl(tiny_student, GradedCalculator(), TASKS, KEEP, tmp_path / "best", max_turns=1,
+                             on_step=lambda step, m: seen.append(m))
+    # every version was validated (validate_every 1); the step metrics carry each check
+    passes = [m[VALIDATION_PASS] for m in seen]
+    assert len(passes) == KEEP.steps and all(0.0 <= p <= 1.0 for p in passes)
+    assert summary["validation_tasks"] == 6 and 0 <= summary["best_version"] <= KEEP.steps
+
+    # Validating draws no random numbers and trains on nothing: the rollouts are a plain run's on the other tasks
+    _, rest = validation_split(TASKS, KEEP)
+    plain_cfg = KEEP.model_copy(update={"keep_best": False})
+    plain, _ = train_rl(tiny_student, GradedCalculator(), rest, plain_cfg, tmp_path / "last", max_turns=1)
+    assert rows == plain
+    assert not {r["task_id"] for r in rows} & {t.task_id for t in TASKS if t not in rest}
+
+    # The weights saved are exactly those of the version chosen: a plain run stopped there (the learning rate
+    # is constant, so stopping early changes no earlier step), or the start itself for version 0
+    best = summary["best_version"]
+    if best == 0:
+        expected = weights(load_student(tiny_student)[0])
+    else:
+        train_rl(tiny_student, GradedCalculator(), rest, plain_cfg.model_copy(update={"steps": best}),
+                 tmp_path / "stopped", max_turns=1)
+        expected = weights(load_student(tmp_path / "stopped")[0])
+    kept = weights(load_student(tmp_path / "best")[0])
+    assert all(torch.equal(kept[k], expected[k]) for k in kept)
+    # and it is the best of the checks: version 0's (the summary's first) and each step's
+    checks = [{"version": 0, VALIDATION_PASS: summary[f"{VALIDATION_PASS}_first"],
+               VALIDATION_REWARD: summary[f"{VALIDATION_REWARD}_first"]}]
+    checks += [{"version": m["policy_version"], VALIDATION_PASS: m[VALIDATION_PASS],
+                VALIDATION_REWARD: m[VALIDATION_REWARD]} for m in seen]
+    assert ranked(checks)["version"] == best
+    assert seen[-1]["best_version"] == best
+
+
+def test_a_run_stopped_after_a_checkpoint_resumes_to_the_same_choice(tiny_student, tmp_path):
+    cfg = KEEP.model_copy(update={"checkpoint_every": 2})
+    whole, summary = train_rl(tiny_student, GradedCalculator(), TASKS, cfg, tmp_path / "whole", max_turns=1)
+
+    def stop(step: int, metrics: dict) -> None:
+        if step == 1:  # after the step-2 checkpoint is written
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_rl(tiny_student, GradedCalculator(), TASKS, cfg, tmp_path / "again" / "rl", max_turns=1, on_step=stop)
+    rows, resumed = train_rl(tiny_student, GradedCalculator(), TASKS, cfg, tmp_path / "again" / "rl", max_turns=1)
+    assert resumed["resumed_from_step"] == 2
+    assert rows == whole
+    assert {k: resumed[k] for k in ("best_version", "validation_pass_best", "validation_pass_first",
+                                    "validation_pass_last")} == \
+        {k: summary[k] for k in ("best_version", "validation_pass_best", "validation_pass_first",
+                                 "validation_pass_last")}
+    a, b = weights(load_student(tmp_path / "whole")[0]), weights(load_student(tmp_path / "again" / "rl")[0])
+    assert all(torch.equal(a[k], b[k]) for k in a)
