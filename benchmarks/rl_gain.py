@@ -108,7 +108,8 @@ def main() -> None:
     pipeline = load_pipeline(args.pipeline, args.config)
     updates = {"sft": {"steps": args.sft_steps}, "rl": {"steps": args.rl_steps, "lr": args.rl_lr}}
     if args.quick:
-        updates = {"sft": {"steps": 5, "log_every": 1}, "rl": {"steps": 2, "tasks_per_step": 4, "monitor_tasks": 4}}
+        updates = {"sft": {"steps": 5, "log_every": 1}, "rl": {"steps": 2, "tasks_per_step": 4, "monitor_tasks": 4,
+                                                             "validate_every": 1, "validate_tasks": 4}}
     for section, values in updates.items():
         values = {k: v for k, v in values.items() if v is not None}
         pipeline = pipeline.model_copy(update={section: getattr(pipeline, section).model_copy(update=values)})
