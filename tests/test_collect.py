@@ -37,7 +37,7 @@ def _result(call_id: str, content: str = "5") -> dict:
     return {"role": "tool", "tool_call_id": call_id, "content": content}
 
 
-# Every way a record can be bad, with the kind it must be quarantined as (35 records).
+# Every way a record can be bad, with the kind it must be quarantined as (42 records).
 MALFORMED = [
     (b"{not json", "invalid_json"),
     (b'{"messages": [{"role": "user", "content": "cut off', "invalid_json"),
@@ -85,6 +85,13 @@ MALFORMED = [
     ({"request": {"messages": [USER]}, "response": {"error": "rate limited"}}, "no_response"),
     (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "score": Infinity}',
      "schema"),  # json.loads takes it; the pandera contract (finite scores) does not
+    # an unpaired UTF-16 surrogate: JSON's escapes allow it, but it is no Unicode text (Parquet, hashing refuse it)
+    (b'{"messages": [{"role": "user", "content": "hi \\ud800"}, {"role": "assistant", "content": "yo"}]}',
+     "not_unicode"),
+    (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "user": "\\udfff"}',
+     "not_unicode"),  # in the metadata
+    ({"messages": '[{"role": "user", "content": "hi \\ud83d"}, {"role": "assistant", "content": "yo"}]'},
+     "not_unicode"),  # in JSON text inside the record
 ]
 
 
@@ -105,7 +112,7 @@ def test_the_corpus_has_every_kind():
     kinds = {kind for _, kind in MALFORMED}
     assert kinds >= {"invalid_json", "not_utf8", "wrong_type", "empty", "unknown_role", "unanswered_tool_call",
                      "orphan_tool_result", "oversize", "bad_outcome", "schema", "empty_tool_name",
-                     "tool_arguments_not_object"}
+                     "tool_arguments_not_object", "not_unicode"}
 
 
 @pytest.mark.parametrize("record, kind", MALFORMED, ids=[f"{i}-{k}" for i, (_, k) in enumerate(MALFORMED)])
@@ -200,13 +207,16 @@ def test_collect_stage_writes_valid_tables(tmp_path, mlflow_store):
 def test_no_malformed_record_crashes_the_stage(tmp_path, mlflow_store):
     from tasks.collect import collect as stage
 
-    _project(tmp_path, "{sources: [logs/*.jsonl], max_bad_fraction: 1.0, max_record_bytes: 2048}")
+    _project(tmp_path, "{sources: [logs/*.json*], max_bad_fraction: 1.0, max_record_bytes: 2048}")
     lines = [x for record, _ in MALFORMED for x in (record, GOOD)]
     (tmp_path / "logs").mkdir()
     _lines(tmp_path / "logs", lines)
+    # a .json file's elements are quarantined as JSON text made again: a lone surrogate must survive that too
+    (tmp_path / "logs/list.json").write_text('[{"messages": [{"role": "user", "content": "\\ud800"}]}, "\\udfff"]')
     result = stage.fn(pipeline="small", root=str(tmp_path))
     quarantine = Catalog(tmp_path, "small").read("quarantine")
     expected = {f"traces.jsonl:{2 * i + 1}": kind for i, (_, kind) in enumerate(MALFORMED)}
+    expected |= {"list.json:1": "not_unicode", "list.json:2": "wrong_type"}
     assert dict(zip(quarantine["location"].str.removeprefix("logs/"), quarantine["kind"], strict=True)) == expected
     assert result.metrics["traces"] == 1 and result.metrics["duplicates"] == len(MALFORMED) - 1
     assert result.metrics["quarantine_unanswered_tool_call"] == 3

@@ -121,7 +121,7 @@ def _json(data: bytes, name: str, max_bytes: int) -> Iterator[Item]:
         yield name, text[:1000], BadRecord("wrong_type", "a .json file holds an object or a list of objects")
         return
     for number, record in enumerate([parsed] if isinstance(parsed, dict) else parsed, start=1):
-        raw = json.dumps(record, ensure_ascii=False)
+        raw = json_text(record)
         if not isinstance(record, dict):
             yield f"{name}:{number}", raw, BadRecord("wrong_type", f"element {number} is not an object")
         elif len(raw) > max_bytes:
@@ -129,6 +129,17 @@ def _json(data: bytes, name: str, max_bytes: int) -> Iterator[Item]:
                                                                         f"over max_record_bytes {max_bytes}")
         else:
             yield f"{name}:{number}", raw, record
+
+
+def json_text(value) -> str:
+    """A record (or a .json file's element) as JSON text, for the quarantine; escaped to ASCII where a string
+    holds a lone surrogate (JSON's escapes can spell one, UTF-8 cannot hold it): the trace is refused later."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, default=str)
+    return text
 
 
 def _parquet(data: bytes | BinaryIO, name: str, max_bytes: int) -> Iterator[Item]:

@@ -213,10 +213,18 @@ def _to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectCon
     if size > cfg.max_record_bytes:
         raise BadRecord("oversize", f"record is {size} characters, over max_record_bytes {cfg.max_record_bytes}")
     body = f'{{"messages": {messages_text}, "tools": {tools_text}}}'
+    record_id = scrub(parts.record_id)
+    try:  # JSON's escapes can spell a lone surrogate, which no UTF-8 text (the hash, Parquet) can hold
+        trace_id = hashlib.sha256(body.encode()).hexdigest()[:16]
+        metadata_text.encode()
+        record_id.encode()
+    except UnicodeEncodeError as err:
+        raise BadRecord("not_unicode", f"a string holds {err.object[err.start]!r}, an unpaired surrogate: "
+                                       "not Unicode text") from None
     prompt = messages[: next(i for i, m in enumerate(messages) if m["role"] == "user") + 1]
     return {
-        "trace_id": hashlib.sha256(body.encode()).hexdigest()[:16],
-        "record_id": scrub(parts.record_id),
+        "trace_id": trace_id,
+        "record_id": record_id,
         "source": source.label if label is None else label,
         "location": location,
         # the record's own time; never the clock, so a rerun writes the same bytes
@@ -417,7 +425,7 @@ def _process(work: _Work, label: str, source: SourceConfig, items: list) -> _Don
             done.partial += 1
         except BadRecord as why:
             if raw is None:
-                raw = json.dumps(record, ensure_ascii=False, default=str)
+                raw = sources.json_text(record)
             done.bad.append({"source": label, "location": location, "kind": why.kind,
                              "reason": redactor.text(str(why)), "raw": redactor.text(raw)[:QUARANTINE_RAW_CHARS]})
     rows, table, invalid = _schema_check(rows)
