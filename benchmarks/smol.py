@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct (the `smol` pipeline's student): the SFT stage and the harness against bare loops.
 
-    .venv/bin/python benchmarks/smol.py [--steps 8] [--conversations 128] [--tasks 32] [--repeats 2] [--quick]
+    .venv/bin/python benchmarks/smol.py [--steps 8] [--batch-size 8] [--conversations 128] [--tasks 32]
+                                        [--repeats 2] [--quick]
 
 Needs the smol extra (`make smol-setup`). On oracle calculator conversations, with pipelines.yaml's `smol.sft`
 (LoRA, merged on save) for --steps steps, times end to end, loading the GGUF to the saved checkpoint, alternating
@@ -12,7 +13,8 @@ Then generation with the trained student on --tasks held-out-style tasks, greedy
 (flywheel.agent.run_episodes with the hf policy: template, parsing, tool calls, the next turn) and (d) a bare
 `generate` loop over exactly the prompts the harness sent, turn by turn in the same batches. `generate_ratio` =
 harness / bare generated tokens per second. The last line is one JSON object; `ratio` is sft_ratio.
-`--quick`: 2 steps on 16 conversations and 4 tasks, one run each side.
+`--quick`: 1 step of 2 conversations (of 4) and 2 tasks, one run each side (what the tests run: it checks that
+the benchmark works, its figures mean little).
 """
 
 from __future__ import annotations
@@ -129,10 +131,11 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=128)
     parser.add_argument("--tasks", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the smol pipeline's sft.batch_size")
     parser.add_argument("--quick", action="store_true", help="the same on tiny sizes (what the tests run)")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.conversations, args.tasks, args.repeats = 2, 16, 4, 1
+        args.steps, args.batch_size, args.conversations, args.tasks, args.repeats = 1, 2, 4, 2, 1
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -141,7 +144,8 @@ def main() -> None:
 
     torch.set_num_threads(2)
     cfg = load_pipeline("smol", ROOT / "pipelines.yaml")
-    sft = cfg.sft.model_copy(update={"steps": args.steps, "eval_fraction": 0.0})
+    sft = cfg.sft.model_copy(update={"steps": args.steps, "eval_fraction": 0.0,
+                                     "batch_size": args.batch_size or cfg.sft.batch_size})
     env, rows, tasks = rows_and_tasks(args.conversations, args.tasks)
     with tempfile.TemporaryDirectory(prefix="bench-smol-") as tmp:
         best, tokens = {"stage": 0.0, "bare": 0.0}, {}
