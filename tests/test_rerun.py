@@ -203,3 +203,22 @@ def test_verdicts_name_what_differs_and_scores_are_paired(tmp_path):
     assert not worse[0].within_noise and worse[0].high < 0
     unpaired = compare_scores(recorded, None, before.assign(reward=0.5), 0.95, 500, 0)
     assert unpaired[0].within_noise and "not in DVC" in unpaired[0].how
+
+
+def test_a_reruns_workspace_shares_remotes_however_long_their_urls(tmp_path):
+    """`dvc remote list` wraps a long URL onto its own line (as it did under a deeper pytest tmp folder): the
+    remotes are read from `dvc config --list` instead, whole, relative paths made absolute."""
+    import subprocess
+    import sys
+
+    from flywheel.data import dvc
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    long = tmp_path / ("a-remote-whose-path-is-longer-than-a-terminal-line-" * 3) / "dvc"
+    for args in (["init", "-q"], ["remote", "add", "-d", "near", "../near"], ["remote", "add", "long", str(long)],
+                 ["remote", "add", "s3", "s3://bucket/dvc"], ["remote", "add", "--local", "mine", "/srv/dvc"]):
+        subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, check=True, capture_output=True)
+    assert dvc.remotes(root) == {"near": str(tmp_path / "near"), "long": str(long), "s3": "s3://bucket/dvc",
+                                 "mine": "/srv/dvc"}

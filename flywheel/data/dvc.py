@@ -73,12 +73,15 @@ def cache_dir(root: Path) -> Path:
 
 
 def remotes(root: Path) -> dict[str, str]:
-    """name -> URL of every remote the repo knows; local paths come back absolute."""
+    """name -> URL of every remote the repo knows (all config levels); local paths come back absolute.
+
+    From `dvc config --list`, one `remote.NAME.url=URL` a line: `dvc remote list` is a table for people, which
+    wraps a long URL onto lines of its own."""
     found = {}
-    for line in _dvc(root, "remote", "list").splitlines():
-        parts = line.split()
-        if len(parts) >= 2:
-            found[parts[0]] = parts[1]
+    for line in _dvc(root, "config", "--list").splitlines():
+        key, _, value = line.partition("=")
+        if key.startswith("remote.") and key.endswith(".url"):
+            found[key.removeprefix("remote.").removesuffix(".url")] = value
     return found
 
 
