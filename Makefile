@@ -36,11 +36,12 @@ demo: $(STAMP)
 smol: $(SMOL_STAMP)
 	$(BIN)/flywheel run smol
 
+# on every core (pytest-xdist): most tests wait on subprocesses and servers as much as they compute
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n auto -m "not slow"
 
 # Every benchmark in full (tens of minutes; smol.py needs the smol extra, hence that setup); each prints its figures
 # as one JSON line last. rl_gain runs the rl-lift loop for three seeds. benchmarks/gpu_check.py needs a GPU.

@@ -69,7 +69,8 @@ NOT_RUN = {
 # Run for real in this checkout (cheap; MLflow and Prefect state in temporary folders).
 RUN_HERE = ["flywheel check", "flywheel status demo"]
 # What each make target's recipe must call.
-MAKE_CALLS = {"demo": ["flywheel run demo"], "test": ["pytest -q"], "test-fast": ['pytest -q -m "not slow"'],
+MAKE_CALLS = {"demo": ["flywheel run demo"], "test": ["pytest -q -n auto"],
+              "test-fast": ['pytest -q -n auto -m "not slow"'],
               "bench": ["benchmarks/"], "smol": ["flywheel run smol"],
               # only installs (nothing to print once the venv has the extra): that `make -n` works is the check
               "smol-setup": []}
