@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from flywheel.config import RLConfig, TinyModelConfig
-from flywheel.envs.base import Score
+from flywheel.contract import Score
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.train.rl.loop import train_rl
 from flywheel.train.tiny import build_tiny_student, environment_corpus
@@ -29,7 +29,7 @@ from flywheel.train.tiny import build_tiny_student, environment_corpus
 class DigitShareCalculator(CalculatorEnv):
     """The calculator with a graded rubric a random student can climb: the share of digits in its answer."""
 
-    def score(self, task, messages):
+    def score(self, task, messages, state=None):
         last = messages[-1]
         text = (last.get("content") or "") if last["role"] == "assistant" else ""
         reward = sum(c.isdigit() for c in text) / max(len(text), 1)

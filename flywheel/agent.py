@@ -1,4 +1,5 @@
-"""The one episode loop: prompt, assistant turn, tool calls, tool results, until an answer or the turn limit.
+"""The one episode loop: prompt, assistant turn, tool calls, tool results, until the conversation ends (the agent
+answers and the environment's user has nothing more to say) or the turn limit.
 
 The teacher (synthesis), the RL actor and the evaluator all call run_episodes, so the student is trained in
 the harness it is judged and deployed in.
@@ -12,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-from flywheel.envs.base import Environment, Task, ToolError
+from flywheel.contract import Environment, Task, ToolError
 from flywheel.policies.base import Completion, Policy, Sampling
 
 _TOOL_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool")
@@ -40,15 +41,11 @@ def call_tool(env: Environment, call: dict, timeout_s: float, state: object = No
         return f"Error: arguments are not valid JSON: {err}"
     if not isinstance(arguments, dict):
         return "Error: arguments must be a JSON object"
-    # a stateless environment is called as before state existed (subclasses may keep the two-argument form)
-    extra = () if state is None else (state,)
-    future = _TOOL_POOL.submit(env.call_tool, fn.get("name", ""), arguments, *extra)
+    future = _TOOL_POOL.submit(env.call_tool, fn.get("name", ""), arguments, state)
     try:
         return str(future.result(timeout=timeout_s))
     except FutureTimeout:
-        count = getattr(env, "count", None)
-        if count:  # SDK environments keep counts for the stage to log
-            count("tool_timeouts")
+        env.count("tool_timeouts")
         return f"Error: tool '{fn.get('name')}' timed out after {timeout_s}s"
     except ToolError as err:
         return f"Error: {err}"
@@ -65,22 +62,18 @@ def run_episodes(env: Environment, policy: Policy, tasks: Sequence[Task], *, sam
                 for t in tasks for s in range(samples)]
     tools = env.tools()
     # one state per episode, made before its first turn and torn down after its score: never shared
-    start = getattr(env, "start", None)
-    states = {id(e): start(e.task) if start else None for e in episodes}
+    states = {id(e): env.start(e.task) for e in episodes}
     try:
         _advance(env, policy, episodes, states, tools, sampling, max_turns, tool_timeout_s)
         for episode in episodes:
-            state = states[id(episode)]
-            score = env.score(episode.task, episode.messages, *(() if state is None else (state,)))
+            score = env.score(episode.task, episode.messages, states[id(episode)])
             episode.reward, episode.passed, episode.breakdown = score.reward, score.passed, dict(score.breakdown)
             if on_done:
                 on_done(episode)
     finally:
-        finish = getattr(env, "finish", None)
-        if finish:
-            for state in states.values():
-                if state is not None:
-                    finish(state)
+        for state in states.values():
+            if state is not None:
+                env.finish(state)
     return episodes
 
 
@@ -116,5 +109,10 @@ def _advance(env: Environment, policy: Policy, episodes: list[Episode], states: 
                                                                   states[id(episode)])})
                 still_active.append(episode)
             else:
-                episode.stop = "answer"
+                reply = env.user_turn(episode.task, episode.messages, states[id(episode)])
+                if reply is None:
+                    episode.stop = "answer"
+                else:  # the user goes on: the conversation is not over
+                    episode.messages.append(reply)
+                    still_active.append(episode)
         active = still_active

@@ -8,8 +8,7 @@ import json
 import pandas as pd
 
 from flywheel.agent import Episode
-from flywheel.envs import Environment
-from flywheel.envs.base import prompt_hash
+from flywheel.contract import Environment, conversation_hash
 
 
 def select_targets(episodes: list[Episode], best_only: bool) -> set[int]:
@@ -51,8 +50,7 @@ def trace_rows(traces: pd.DataFrame, env: Environment, heldout_prompts: set[str]
         if trace["outcome"] != "accepted" or trace["split"] != "train":
             continue
         messages = json.loads(trace["messages"])
-        first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-        if prompt_hash(messages[:first_user + 1]) in heldout_prompts:
+        if conversation_hash(messages) in heldout_prompts:
             continue  # never train on a held-out prompt, whatever its trace says
         task = env.task_from_messages(messages)
         if task is not None:

@@ -10,9 +10,9 @@ import pandas as pd
 
 from flywheel import registry
 from flywheel.config import PipelineConfig
+from flywheel.contract import Task, prompt_hash
 from flywheel.data.catalog import Catalog, content_hash
 from flywheel.data.tasksets import row_task
-from flywheel.envs.base import Task, prompt_hash
 from flywheel.evaluate.gate import GateDecision, decide
 from flywheel.evaluate.report import plot_slices, slice_scores
 from flywheel.evaluate.runner import check_contamination, evaluate_model, synthetic_prompt_hashes

@@ -24,8 +24,9 @@ from pathlib import Path
 from prefect import task as prefect_task
 
 from flywheel.config import PipelineConfig, load_pipeline
+from flywheel.contract import Environment
 from flywheel.data.catalog import Catalog
-from flywheel.envs import Environment, load_environment
+from flywheel.envs import load_environment
 from flywheel.registry import Run, stage_run
 from flywheel.stages import ORDER, StageResult
 from tasks.caching import by_content
@@ -68,7 +69,7 @@ class StageContext:
 
         `fields` are the stage's own (StageResult.gate, .registration)."""
         env = self.__dict__.get("env")  # built only if the stage used it
-        counters = getattr(env, "counters", None)
+        counters = env.counters if env is not None else {}
         if counters:  # tool errors, timeouts, bad returns, judge verdicts it could not parse: env.<counter>
             self.run.metrics({f"env.{key}": value for key, value in counters.items()})
         outputs = output_hashes(self.name, self.pipeline, self.root)

@@ -15,9 +15,8 @@ import pandas as pd
 
 from flywheel.agent import Episode, run_episodes
 from flywheel.config import TeacherConfig
+from flywheel.contract import Environment, prompt_hash
 from flywheel.data.tasksets import row_task
-from flywheel.envs import Environment
-from flywheel.envs.base import prompt_hash
 from flywheel.policies import Policy, get_policy
 from flywheel.policies.base import Sampling
 from flywheel.stages import StageResult

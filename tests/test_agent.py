@@ -51,9 +51,9 @@ class Scripted:
 class SlowCalculator(CalculatorEnv):
     """The calculator whose tool hangs longer than the harness waits."""
 
-    def call_tool(self, name, arguments):
+    def call_tool(self, name, arguments, state=None):
         time.sleep(0.5)
-        return super().call_tool(name, arguments)
+        return super().call_tool(name, arguments, state)
 
 
 def test_registry_builds_the_oracle(env):

@@ -7,8 +7,8 @@ from itertools import islice
 
 import pytest
 
+from flywheel.contract import prompt_hash
 from flywheel.envs import ToolError, get_environment
-from flywheel.envs.base import prompt_hash
 from flywheel.envs.calculator import CalculatorEnv, evaluate
 
 

@@ -10,11 +10,11 @@ import pandas as pd
 import pytest
 
 from flywheel.config import CollectConfig
+from flywheel.contract import prompt_hash, split_of
 from flywheel.data.catalog import Catalog, DataError
 from flywheel.data.redaction import Redactor
 from flywheel.data.sources import readers
 from flywheel.data.traces import collect
-from flywheel.envs.base import prompt_hash, split_of
 
 REPO = Path(__file__).resolve().parent.parent
 CALL = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}
@@ -311,7 +311,7 @@ def test_prompt_hash_hashes_the_json_text_it_always_did():
     import hashlib
     import random
 
-    from flywheel.envs.base import prompt_hash
+    from flywheel.contract import prompt_hash
 
     def reference(prompt):
         canonical = json.dumps([{"role": m["role"], "content": m.get("content") or ""} for m in prompt],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,21 @@ def make_env(greeting: str = "hi") -> Env:
 
 def broken() -> Env:
     raise RuntimeError("no database at /nowhere")
+
+class Lookalike:  # every required member, but not an Environment: callers could not rely on the rest
+    name = "lookalike"
+    def tools(self): return []
+    def generate_tasks(self, seed): return iter(())
+    def call_tool(self, name, arguments, state=None): return ""
+    def score(self, task, messages, state=None): return None
+
+def lookalike() -> Lookalike:
+    return Lookalike()
+
+def unnamed() -> Env:
+    env = make_env()
+    env.name = ""
+    return env
 '''
 
 
@@ -49,6 +65,19 @@ def test_a_factory_from_the_project_root_with_args(tmp_path):
     assert env.tools()[0]["function"]["name"] == "echo"
     again = pickle.loads(pickle.dumps(env))  # how an RL actor process gets it: built again by the factory
     assert again is not env and next(again.generate_tasks(0)).prompt[0]["content"] == "hello"
+
+
+@pytest.mark.parametrize("factory, expected", [
+    ("envs.echo:lookalike", "returned Lookalike, not an environment; return flywheel.envs.sdk.Env, or an instance of "
+                            "a subclass of flywheel.contract.Environment"),
+    ("envs.echo:unnamed", "returned an environment without a name"),
+])
+def test_a_factory_must_return_a_named_environment(tmp_path, factory, expected):
+    from flywheel.envs import EnvironmentLoadError
+
+    _project(tmp_path, "{}")
+    with pytest.raises(EnvironmentLoadError, match=re.escape(expected)):
+        get_environment(factory=factory, root=tmp_path)
 
 
 def _check(root: Path) -> subprocess.CompletedProcess:

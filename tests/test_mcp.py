@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.agent import run_episodes
-from flywheel.envs.base import Task, ToolError
+from flywheel.contract import Environment, Score, Task, ToolError
 from flywheel.envs.mcp import McpError, McpServer, mcp_servers
 from flywheel.policies.base import Completion
 
@@ -120,7 +120,7 @@ def _calls(*calls: tuple[str, dict]) -> dict:
         for name, args in calls]}
 
 
-class McpOnlyEnv:
+class McpOnlyEnv(Environment):
     """The smallest environment whose tools are all an MCP server's: what the harness sees of a tool source."""
 
     name = "mcp-shop"
@@ -131,12 +131,13 @@ class McpOnlyEnv:
     def tools(self):
         return self.source.tools()
 
+    def generate_tasks(self, seed):
+        return iter(())
+
     def call_tool(self, name, arguments, state=None):
         return self.source.call_tool(name, arguments, state)
 
     def score(self, task, messages, state=None):
-        from flywheel.envs.base import Score
-
         ok = json.loads(task.answer)["status"] in (messages[-1].get("content") or "")
         return Score(reward=float(ok), passed=ok)
 

@@ -12,9 +12,9 @@ import yaml
 
 from flywheel.agent import call_tool, run_episodes
 from flywheel.config import ConfigError, ReplayConfig, load_pipeline, load_pipelines
+from flywheel.contract import ToolError, prompt_hash
 from flywheel.data.catalog import Catalog
 from flywheel.envs import load_environment
-from flywheel.envs.base import ToolError, prompt_hash
 from flywheel.envs.replay import ReplayEnv
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,7 +120,7 @@ def test_a_prompt_another_task_set_has_is_left_out(collected):
 
 
 def _episode(env: ReplayEnv, slice_: str = "replay/bank", kind: str = "transfer_funds"):
-    task = next(t for t in env.recorded_tasks if t.slice == slice_ and any(c[0] == kind for c in t.data["calls"]))
+    task = next(t for t in env.recorded_tasks() if t.slice == slice_ and any(c[0] == kind for c in t.data["calls"]))
     return task, env.start(task)
 
 
@@ -217,7 +217,7 @@ def test_the_judge_part_weighs_in_and_an_unparseable_verdict_scores_zero(collect
     env = load_environment(load_pipeline("bank", root / "pipelines.yaml").environment, root, "bank")
     traces = {prompt_hash(json.loads(m)[:2]): json.loads(m) for m in Catalog(root, "bank").read("traces")["messages"]}
     # a transfer whose conversation goes on with a second request: the judge must see the first answer
-    task = next(t for t in env.recorded_tasks if t.slice == "replay/bank" and any(
+    task = next(t for t in env.recorded_tasks() if t.slice == "replay/bank" and any(
         c[0] == "transfer_funds" for c in t.data["calls"]) and sum(
         m["role"] == "user" for m in traces[t.task_id]) == 2)
     recorded = traces[task.task_id]
@@ -270,7 +270,7 @@ def test_rejected_traces_can_be_inverted_eval_tasks(tmp_path, mlflow_store):
     assert set(rejected["split"]) == {"heldout"}, "rejected traces are never targets"
     cfg = load_pipeline("bank", tmp_path / "pipelines.yaml")
     env = load_environment(cfg.environment, tmp_path, "bank")
-    task = next(t for t in env.recorded_tasks if t.slice.startswith("replay-rejected/"))
+    task = next(t for t in env.recorded_tasks() if t.slice.startswith("replay-rejected/"))
     traces = {prompt_hash(json.loads(m)[:2]): json.loads(m) for m in catalog.read("traces")["messages"]}
     assert env.score(task, traces[task.task_id]).reward == 0.0, "repeating the rejected trace scores 0"
 
@@ -297,7 +297,7 @@ def test_an_openai_teacher_replaying_the_trace_scores_one_and_a_wrong_write_zero
     cfg = load_pipeline("bank", root / "pipelines.yaml")
     env = load_environment(cfg.environment, root, "bank")
     conversations = [json.loads(m) for m in Catalog(root, "bank").read("traces")["messages"]]
-    tasks = env.recorded_tasks
+    tasks = env.recorded_tasks()
     with OracleServer() as server:
         server.replay = TraceReplayer(conversations)
         teacher = get_policy("openai", model="replayer", base_url=server.url, cache=None)

@@ -81,7 +81,7 @@ def test_async_reward_rises_within_the_staleness_bound(tiny_student, tasks, tmp_
 class BrokenRubric(CalculatorEnv):
     """A rubric that fails inside the actor process."""
 
-    def score(self, task, messages):
+    def score(self, task, messages, state=None):
         raise ArithmeticError("rubric exploded")
 
 
@@ -166,9 +166,9 @@ def test_killed_run_resumes_from_its_last_checkpoint(tiny_student, tasks, tmp_pa
 class CountingCalculator(GradedCalculator):
     """Counts each episode it scores, as a tool's error would be: in whichever process scores it."""
 
-    def score(self, task, messages):
+    def score(self, task, messages, state=None):
         self.count("scored")
-        return super().score(task, messages)
+        return super().score(task, messages, state)
 
 
 def test_the_actors_environment_counts_reach_the_stages_environment(tiny_student, tasks, tmp_path):

@@ -10,7 +10,7 @@ import torch
 
 from flywheel.agent import run_episodes
 from flywheel.config import RLConfig, TinyModelConfig
-from flywheel.envs.base import Score
+from flywheel.contract import Score
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies.oracle import OraclePolicy
 from flywheel.policies.toolcalls import render_tool_call
@@ -32,7 +32,7 @@ class GradedCalculator(CalculatorEnv):
     """The calculator with a graded rubric: a random model never solves a sum, so the exact-answer rubric
     would give every group equal rewards and nothing to learn. Reward: the share of digits in the answer."""
 
-    def score(self, task, messages):
+    def score(self, task, messages, state=None):
         text = messages[-1].get("content") or "" if messages[-1]["role"] == "assistant" else ""
         reward = sum(c.isdigit() for c in text) / max(len(text), 1)
         return Score(reward=reward, passed=reward > 0.5)

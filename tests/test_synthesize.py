@@ -21,10 +21,10 @@ import yaml
 from mlflow import MlflowClient
 
 from flywheel.config import ConfigError, load_pipelines
+from flywheel.contract import split_of
 from flywheel.data.catalog import Catalog
 from flywheel.data.schemas import Traces
 from flywheel.data.tasksets import task_row
-from flywheel.envs.base import split_of
 from flywheel.envs.calculator import CalculatorEnv
 from tasks.synthesize import synthesize
 

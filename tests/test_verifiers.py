@@ -12,7 +12,7 @@ import verifiers as vf
 from datasets import Dataset
 
 from flywheel.agent import run_episodes
-from flywheel.envs.base import ToolError
+from flywheel.contract import ToolError
 from flywheel.envs.verifiers import VerifiersEnv, from_verifiers
 from flywheel.policies.base import Completion
 

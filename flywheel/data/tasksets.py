@@ -11,7 +11,7 @@ import orjson
 import pyarrow as pa
 
 from flywheel.config import EnvironmentConfig
-from flywheel.envs.base import Environment, Task, prompt_hash, split_of
+from flywheel.contract import Environment, Task, prompt_hash, split_of
 
 SCHEMA = pa.schema([(name, pa.string()) for name in ("task_id", "env", "prompt", "answer", "slice", "split",
                                                      "origin")])
@@ -40,18 +40,13 @@ def trace_task(env: Environment, heldout_fraction: float, trace: dict,
     """The task a traces-table row holds for this environment, split: (its id, its prompt hash, its tasks-table
     row); None if it holds none. `messages`: the row's messages as a list, where the caller has them (collect).
 
-    An environment with `task_from_trace` (replay) reads the whole row and sets the split; any other reads the
-    messages and its task is split by its id. Both must depend on the row alone: collect builds these in its
+    The environment's task_from_trace reads the row and sets the split (by default its task_from_messages, split
+    by the task's id; replay keeps the trace's). It must depend on the row alone: collect builds these in its
     worker processes (made_tasks) and task_table takes them as made.
     """
-    from_trace = getattr(env, "task_from_trace", None)
-    if from_trace is not None:
-        task = from_trace(trace, heldout_fraction)
-    else:
-        if messages is None:
-            messages = orjson.loads(trace["messages"])  # our own JSON: orjson reads it as json does
-        task = env.task_from_messages(messages)
-        task = task and _with_split(task, split_of(task.task_id, heldout_fraction))
+    if messages is not None:
+        trace = {**trace, "messages": messages}
+    task = env.task_from_trace(trace, heldout_fraction)
     return None if task is None else (task.task_id, prompt_hash(task.prompt), task_row(task, "trace"))
 
 

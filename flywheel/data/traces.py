@@ -24,11 +24,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flywheel.config import CollectConfig, SourceConfig
+from flywheel.contract import conversation_hash, split_of
 from flywheel.data import schemas, sources
 from flywheel.data.redaction import Redactor
 from flywheel.data.shapes import BadRecord, PartialTurn, extract
 from flywheel.data.sources import FileReader, Lines
-from flywheel.envs.base import prompt_hash, split_of
 
 ROLES = {"system", "user", "assistant", "tool"}
 _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
@@ -221,7 +221,6 @@ def _to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectCon
     except UnicodeEncodeError as err:
         raise BadRecord("not_unicode", f"a string holds {err.object[err.start]!r}, an unpaired surrogate: "
                                        "not Unicode text") from None
-    prompt = messages[: next(i for i, m in enumerate(messages) if m["role"] == "user") + 1]
     return {
         "trace_id": trace_id,
         "record_id": record_id,
@@ -233,7 +232,7 @@ def _to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectCon
         "tools": tools_text,
         "outcome": parts.outcome,
         "score": parts.score,
-        "split": split_of(prompt_hash(prompt), cfg.heldout_fraction),
+        "split": split_of(conversation_hash(messages), cfg.heldout_fraction),
         "metadata": metadata_text,
     }, messages
 

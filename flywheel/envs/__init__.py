@@ -14,15 +14,15 @@ import pkgutil
 import sys
 from pathlib import Path
 
-from flywheel.envs.base import Environment, RubricError, Score, Task, ToolError
-from flywheel.envs.sdk import PROJECT_ROOT, Env
+from flywheel.contract import Environment, RubricError, Score, Task, ToolError
+from flywheel.envs.sdk import PROJECT_ROOT
 
 __all__ = ["Environment", "Score", "Task", "ToolError", "RubricError", "EnvironmentLoadError", "get_environment",
            "environment_names", "entry_point_environments", "environment_sources", "load_environment"]
 
 ENTRY_POINT_GROUP = "flywheel.environments"
 # modules of this package that are parts of environments, not environments
-_PARTS = {"base", "sdk", "judge", "mcp", "verifiers"}
+_PARTS = {"sdk", "judge", "mcp", "verifiers"}
 _BUILTIN_FOLDER = Path(__file__).resolve().parent
 
 
@@ -86,12 +86,14 @@ def get_environment(name: str | None = None, *, factory: str | None = None, args
                                    f"{type(err).__name__}: {err}") from err
     finally:
         PROJECT_ROOT.reset(token)
-    missing = [m for m in ("tools", "generate_tasks", "call_tool", "score") if not callable(getattr(env, m, None))]
-    if missing or not isinstance(getattr(env, "name", None), str):
+    if not isinstance(env, Environment):
         raise EnvironmentLoadError(f"{where}: {module_name}.{attribute} returned {type(env).__name__}, not an "
-                                   f"environment (lacks {', '.join(missing) or 'name'}); return flywheel.envs.sdk.Env")
-    if isinstance(env, Env):
-        env._origin = (rebuild_environment, (name, factory, dict(args or {}), None if root is None else str(root)))
+                                   "environment; return flywheel.envs.sdk.Env, or an instance of a subclass of "
+                                   "flywheel.contract.Environment")
+    if not env.name or not isinstance(env.name, str):
+        raise EnvironmentLoadError(f"{where}: {module_name}.{attribute} returned an environment without a name "
+                                   "(set `name`, a string)")
+    env._origin = (rebuild_environment, (name, factory, dict(args or {}), None if root is None else str(root)))
     return env
 
 

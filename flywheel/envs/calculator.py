@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterator
 from functools import lru_cache, partial
 
-from flywheel.envs.base import Task, ToolError, prompt_hash
+from flywheel.contract import Task, ToolError, prompt_hash
 from flywheel.envs.sdk import Env, Reward
 
 MAX_CHARS = 200

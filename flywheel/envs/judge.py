@@ -13,7 +13,7 @@ import re
 import threading
 from pathlib import Path
 
-from flywheel.envs.base import Task
+from flywheel.contract import Task
 from flywheel.policies.base import Sampling
 
 VERDICT = re.compile(r"^\s*SCORE:\s*([01](?:\.\d+)?|\.\d+)\s*$", re.MULTILINE)

@@ -25,7 +25,7 @@ import threading
 from contextlib import AsyncExitStack
 from datetime import timedelta
 
-from flywheel.envs.base import ToolError
+from flywheel.contract import ToolError
 
 _CONFIG_KEYS = {"command", "url", "env", "cwd", "headers", "timeout_s", "startup_timeout_s"}
 

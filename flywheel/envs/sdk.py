@@ -38,7 +38,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
-from flywheel.envs.base import RubricError, Score, Task, ToolError, prompt_hash
+from flywheel.contract import Environment, RubricError, Score, Task, ToolError, opening, prompt_hash
 
 __all__ = ["Env", "Reward", "Score", "Task", "ToolError", "SchemaError", "RubricError", "tasks_from_file",
            "tool_schema", "TaskFile"]
@@ -303,8 +303,10 @@ def _arity(fn: Callable) -> int:
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
 
 
-class Env:
+class Env(Environment):
     """An environment from typed tools, tasks (a file or a seeded generator) and weighted reward functions."""
+
+    _runtime_fields = (*Environment._runtime_fields, "_loop")  # the async tools' event loop
 
     def __init__(self, name: str, tools: Iterable[Callable], tasks: Callable[[int], Iterable[Task]],
                  rewards: Iterable[Reward | Callable], passed: float | str = 1.0,
@@ -336,45 +338,18 @@ class Env:
         self._task_from_messages = task_from_messages
         self.tool_sources = list(tool_sources)
         self._source_of: dict[str, object] | None = None  # tool name -> its source, listed on first use
-        self._origin: tuple | None = None  # (rebuild function, its args) from flywheel.envs: how pickles rebuild it
-        self._init_runtime()
+        self._by_prompt: dict[str, Task] | None = None  # a task file's tasks by prompt hash, on first use
 
     def _init_runtime(self) -> None:
+        super()._init_runtime()
         self._counts = dict.fromkeys(COUNTERS, 0)
-        self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    # the loop, lock and any lambdas cannot cross a process boundary (RL actors): rebuild from the factory
-    def __reduce_ex__(self, protocol):
-        if self._origin is not None:
-            return self._origin
-        return super().__reduce_ex__(protocol)
+    def counter_parts(self) -> list:
+        """Its reward functions and tool sources: a judge counts its verdicts, an MCP server its calls."""
+        return [r.fn for r in self.rewards] + self.tool_sources
 
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_counts", "_lock", "_loop")}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._init_runtime()
-
-    # --- counters
-
-    def count(self, key: str, n: int = 1) -> None:
-        """Add n to a counter (thread-safe): tool errors, timeouts, bad returns, ... for the stage to log."""
-        with self._lock:
-            self._counts[key] = self._counts.get(key, 0) + n
-
-    @property
-    def counters(self) -> dict[str, int]:
-        """This instance's counts so far, with those of its reward functions and tool sources (e.g. the judge)."""
-        with self._lock:
-            merged = dict(self._counts)
-        for part in [r.fn for r in self.rewards] + self.tool_sources:
-            for key, value in (getattr(part, "counters", None) or {}).items():
-                merged[key] = merged.get(key, 0) + value
-        return merged
-
-    # --- the Environment protocol
+    # --- the environment contract (flywheel/contract.py)
 
     def tools(self) -> list[dict]:
         """The function schemas: the Python tools' (generated), then each tool source's."""
@@ -400,10 +375,10 @@ class Env:
             return self._task_from_messages(messages)
         if not isinstance(self._tasks, TaskFile):
             return None
-        if not hasattr(self, "_by_prompt"):
+        if self._by_prompt is None:
             self._by_prompt = {t.task_id: dataclasses.replace(t, env=self.name) for t in self._tasks.tasks}
-        first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
-        return None if first_user is None else self._by_prompt.get(prompt_hash(messages[:first_user + 1]))
+        start = opening(messages)
+        return None if start is None else self._by_prompt.get(prompt_hash(start))
 
     def start(self, task: Task) -> object:
         """The episode's own state: setup(task), or None without a setup."""

@@ -25,11 +25,12 @@ import math
 import random
 from collections.abc import Iterator
 
-from flywheel.envs.base import Score, Task, ToolError, prompt_hash
+from flywheel.contract import Environment, Score, Task, ToolError, prompt_hash
 
 
-class VerifiersEnv:
-    """The harness's Environment over a verifiers SingleTurnEnv or ToolEnv (stateless: state is always None)."""
+class VerifiersEnv(Environment):
+    """The harness's Environment over a verifiers SingleTurnEnv or ToolEnv (stateless: state is always None, and
+    there is no scripted solver: the oracle teacher cannot run in it)."""
 
     def __init__(self, vf_env, name: str | None = None, split: str = "train"):
         import verifiers as vf
@@ -52,7 +53,10 @@ class VerifiersEnv:
         self._by_hash = {}
         for index, row in enumerate(self._rows):
             self._by_hash.setdefault(prompt_hash(_prompt(row)), index)
-        self.counters: dict[str, int] = {"tool_errors": 0}
+
+    def _init_runtime(self) -> None:
+        super()._init_runtime()
+        self._counts = {"tool_errors": 0}
 
     def tools(self) -> list[dict]:
         """The verifiers environment's tools as OpenAI function schemas (none for a SingleTurnEnv)."""
@@ -73,13 +77,6 @@ class VerifiersEnv:
                 return self._task(index)
         return None
 
-    def start(self, task: Task) -> None:
-        """No per-episode state: verifiers ToolEnv tools are plain functions."""
-        return None
-
-    def finish(self, state: object) -> None:
-        """Nothing to tear down."""
-
     def call_tool(self, name: str, arguments: dict, state: object = None) -> str:
         """Run the verifiers tool; its exception is a ToolError worded by the environment's error_formatter."""
         tool = getattr(self.vf_env, "tool_map", {}).get(name)
@@ -90,7 +87,7 @@ class VerifiersEnv:
             if asyncio.iscoroutine(result):
                 result = asyncio.run(result)
         except Exception as err:
-            self.counters["tool_errors"] += 1
+            self.count("tool_errors")
             raise ToolError(self.vf_env.error_formatter(err)) from err
         return result if isinstance(result, str) else str(result)
 
@@ -114,11 +111,6 @@ class VerifiersEnv:
                              f"for task {task.task_id}, outside [0, 1]; check its reward functions and weights")
         breakdown = {key: float(value) for key, value in (vf_state["metrics"] or {}).items()}
         return Score(reward=reward, passed=reward >= self.vf_env.pass_threshold, breakdown=breakdown)
-
-    def solve(self, messages: list[dict], state: object = None) -> dict:
-        """verifiers environments have no scripted oracle: use a model (the `openai` teacher) instead."""
-        raise NotImplementedError(f"verifiers environment {self.name} has no scripted solver; "
-                                  "set a model teacher (policy: openai) for synthesis")
 
     def _task(self, index: int) -> Task:
         row = self._rows[index]

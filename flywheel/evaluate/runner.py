@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from flywheel.agent import run_episodes
-from flywheel.envs.base import Environment, Task, prompt_hash
+from flywheel.contract import Environment, Task, conversation_hash, prompt_hash
 from flywheel.policies.base import Sampling
 
 
@@ -48,12 +48,6 @@ def _tokens(completion) -> int:
     return int(completion.usage.get("completion_tokens", 0))
 
 
-def conversation_prompt_hash(messages: list[dict]) -> str:
-    """The prompt hash of a recorded conversation: everything up to and including its first user turn."""
-    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-    return prompt_hash(messages[: first_user + 1])
-
-
 def check_contamination(heldout: list[Task], training: dict[str, Iterable[str]]) -> None:
     """Raise ContaminationError naming the held-out ids whose prompt hash appears in any training set."""
     by_hash = {prompt_hash(t.prompt): t.task_id for t in heldout}
@@ -67,4 +61,5 @@ def check_contamination(heldout: list[Task], training: dict[str, Iterable[str]])
 
 
 def synthetic_prompt_hashes(messages_json: Iterable[str]) -> list[str]:
-    return [conversation_prompt_hash(json.loads(m)) for m in messages_json]
+    """The prompt hash of each conversation (JSON text) of a synthetic table, for check_contamination."""
+    return [conversation_hash(json.loads(m)) for m in messages_json]

@@ -11,7 +11,7 @@ import json
 import re
 from collections.abc import Sequence
 
-from flywheel.envs.base import Environment
+from flywheel.contract import Environment
 from flywheel.policies.base import Completion, Sampling
 from flywheel.policies.toolcalls import render_tool_call
 

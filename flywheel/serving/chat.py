@@ -127,7 +127,7 @@ def input_example(env) -> dict:
     """A chat request in the environment's own terms: one of its task prompts, with its tools, answered greedily."""
     task = next(iter(env.generate_tasks(seed=0)), None)
     if task is None:  # an environment whose tasks all come from traces (replay): one of those
-        task = next(iter(getattr(env, "recorded_tasks", [])))
+        task = next(iter(env.recorded_tasks()))
     return {"messages": list(task.prompt), "tools": env.tools(), "temperature": 0.0, "max_tokens": 64}
 
 

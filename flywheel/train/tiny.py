@@ -6,7 +6,7 @@ import itertools
 from pathlib import Path
 
 from flywheel.config import TinyModelConfig
-from flywheel.envs.base import Environment
+from flywheel.contract import Environment
 
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<pad>"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flywheel.config import ReplayConfig
-from flywheel.envs.base import Environment, Score, Task, ToolError, prompt_hash
+from flywheel.contract import Environment, Score, Task, ToolError, prompt_hash, split_of
 from flywheel.envs.replay.matching import Call, Matcher, describe
 from flywheel.envs.replay.record import UnusableRecord, infer_tools, read_record
 from flywheel.envs.replay.rubric import (
@@ -38,7 +37,7 @@ NAME = "replay"
 
 
 @dataclass
-class Episode:
+class ReplayState:
     """One replay episode's state: the recorded calls still to answer, and what found no record."""
 
     matcher: Matcher
@@ -46,13 +45,13 @@ class Episode:
 
 
 @dataclass
-class BaseEpisode:
+class BaseState:
     """The state of an episode of the environment beside replay (its own state, possibly None)."""
 
     inner: object
 
 
-class ReplayEnv:
+class ReplayEnv(Environment):
     """Tasks from traces, tools served from their record, the accepted outcome as the rubric; optionally beside
     a `base` environment that keeps the traces it can verify and the tasks it generates."""
 
@@ -73,39 +72,17 @@ class ReplayEnv:
                                       api_key_env=judge.api_key_env, cache=cache)
         self._recorded: list[Task] | None = None
         self._made: dict[str, dict] = {}  # tool schemas of the tasks built here (collect), by name
-        self._init_runtime()
 
     def _init_runtime(self) -> None:
-        self._lock = threading.Lock()
+        super()._init_runtime()
         self._counts = {"tool_calls": 0, "replay_served": 0, "replay_unmatched": 0}
 
-    def __getstate__(self) -> dict:  # RL actors get a copy: the lock cannot cross, the counts start again
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_counts")}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._init_runtime()
-
-    # --- counters (logged by the stage as env.<name>)
-
-    def count(self, key: str, n: int = 1) -> None:
-        """Add n to a counter (thread-safe)."""
-        with self._lock:
-            self._counts[key] = self._counts.get(key, 0) + n
-
-    @property
-    def counters(self) -> dict[str, float]:
-        """Calls served and unmatched here, with the base environment's and the judge's counters."""
-        with self._lock:
-            merged = dict(self._counts)
-        for part in (self.base, self._judge):
-            for key, value in (getattr(part, "counters", None) or {}).items():
-                merged[key] = merged.get(key, 0) + value
-        return merged
+    def counter_parts(self) -> list:
+        """The base environment and the judge: their counters join the calls served and unmatched here."""
+        return [part for part in (self.base, self._judge) if part is not None]
 
     # --- tasks
 
-    @property
     def recorded_tasks(self) -> list[Task]:
         """The replay tasks of the pipeline's tasks table (none before collect wrote it)."""
         if self._recorded is None:
@@ -124,7 +101,7 @@ class ReplayEnv:
         sees one tool list in training and in eval."""
         schemas = list(self.base.tools()) if self.base is not None else []
         names = {s["function"]["name"] for s in schemas}
-        for schema in [s for t in self.recorded_tasks for s in t.data["tools"]] + list(self._made.values()):
+        for schema in [s for t in self.recorded_tasks() for s in t.data["tools"]] + list(self._made.values()):
             if schema["function"]["name"] not in names:
                 names.add(schema["function"]["name"])
                 schemas.append(schema)
@@ -143,8 +120,6 @@ class ReplayEnv:
     def task_from_trace(self, trace: dict, heldout_fraction: float | None = None) -> Task | None:
         """The task of a traces-table row: the base environment's (split by its id) when it verifies it; else
         the replay of an accepted trace (the trace's split), of a rejected one only with `rejected: eval`."""
-        from flywheel.envs.base import split_of
-
         messages = _json(trace["messages"])
         if self.base is not None:
             task = self.base.task_from_messages(messages)
@@ -174,24 +149,23 @@ class ReplayEnv:
 
     # --- episodes
 
-    def start(self, task: Task) -> Episode | BaseEpisode:
+    def start(self, task: Task) -> ReplayState | BaseState:
         """A replay episode's recorded calls (every one unused), or the base environment's own state."""
         if task.env != NAME:
-            return BaseEpisode(self.base.start(task) if hasattr(self.base, "start") else None)
+            return BaseState(self.base.start(task))
         calls = [Call(name, arguments, result) for name, arguments, result in task.data["calls"]]
-        return Episode(Matcher(calls, self.cfg.fuzzy))
+        return ReplayState(Matcher(calls, self.cfg.fuzzy))
 
     def finish(self, state: object) -> None:
         """Tear down the base environment's state (a replay episode holds nothing to release)."""
-        if isinstance(state, BaseEpisode) and state.inner is not None and hasattr(self.base, "finish"):
+        if isinstance(state, BaseState) and state.inner is not None:
             self.base.finish(state.inner)
 
     def call_tool(self, name: str, arguments: dict, state: object = None) -> str:
         """The recorded result of the matching recorded call; a ToolError "not available in replay" otherwise."""
-        if isinstance(state, BaseEpisode):
-            extra = () if state.inner is None else (state.inner,)
-            return self.base.call_tool(name, arguments, *extra)
-        if not isinstance(state, Episode):
+        if isinstance(state, BaseState):
+            return self.base.call_tool(name, arguments, state.inner)
+        if not isinstance(state, ReplayState):
             if self.base is not None and state is not None:
                 return self.base.call_tool(name, arguments, state)
             raise ToolError("replay answers tool calls within an episode (start(task) first)")
@@ -212,8 +186,7 @@ class ReplayEnv:
     def score(self, task: Task, messages: list[dict], state: object = None) -> Score:
         """The base environment's rubric for its tasks; for replay tasks: writes, facts and the optional judge."""
         if task.env != NAME:
-            inner = state.inner if isinstance(state, BaseEpisode) else state
-            return self.base.score(task, messages, *(() if inner is None else (inner,)))
+            return self.base.score(task, messages, state.inner if isinstance(state, BaseState) else state)
         data = task.data
         recorded = [Call(name, arguments, result) for name, arguments, result in data["calls"][:data["target"]]]
         answer = final_answer(task, messages)
@@ -231,8 +204,8 @@ class ReplayEnv:
 
     def solve(self, messages: list[dict], state: object = None) -> dict:
         """The base environment's scripted solver for its tasks; replay has none."""
-        if isinstance(state, BaseEpisode):
-            return self.base.solve(messages, state.inner) if state.inner is not None else self.base.solve(messages)
+        if isinstance(state, BaseState):
+            return self.base.solve(messages, state.inner)
         raise NotImplementedError(f"environment '{self.name}': replay tasks have no scripted solver, so the oracle "
                                   "cannot teach them; use a model teacher (teacher.policy: openai)")
 

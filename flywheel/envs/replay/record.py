@@ -11,6 +11,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from flywheel.contract import opening
 from flywheel.envs.replay.matching import Call, normalise
 
 # numbers, ids and dates: what an answer states that a tool told it ("W1234", "ORD-77", "2026-11-01", "1,234.50")
@@ -62,10 +63,10 @@ def facts_in(text: str) -> set[str]:
 
 def read_record(messages: list[dict]) -> Record:
     """The prompt, the calls with their results, the target and the answer of a normalised conversation."""
-    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
-    if first_user is None:
+    start = opening(messages)
+    if start is None:
         raise UnusableRecord("the conversation has no user message")
-    end = first_user
+    end = len(start) - 1  # the prompt runs on over user messages that follow the first one
     while end < len(messages) and messages[end].get("role") == "user":
         end += 1
     calls: list[Call] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from flywheel.envs.base import Score, Task
+from flywheel.contract import Score, Task
 from flywheel.envs.replay.matching import Call, Matcher
 from flywheel.envs.replay.record import call_arguments, facts_in
 

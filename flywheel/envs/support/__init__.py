@@ -12,7 +12,7 @@ import functools
 import json
 import sqlite3
 
-from flywheel.envs.base import Task
+from flywheel.contract import Task
 from flywheel.envs.sdk import Env, Reward
 from flywheel.envs.support import db as database
 from flywheel.envs.support.rubric import db_matches, facts_stated, policy_kept, resolved

@@ -12,7 +12,7 @@ import json
 import sqlite3
 
 import flywheel.envs.support.db as database
-from flywheel.envs.base import Task
+from flywheel.contract import Task
 from flywheel.envs.support.solver import _text
 from flywheel.envs.support.tools import BY_NAME, WRITES
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import flywheel.envs.support.db as database
-from flywheel.envs.base import Task, prompt_hash
+from flywheel.contract import Task, prompt_hash
 
 # Terse on purpose: every training conversation of the tiny demo student carries it (tokens cost CPU time).
 POLICY = ("ShopCo support policy: find_user by email, then list_orders; an order not in the list is not one of "

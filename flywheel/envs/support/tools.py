@@ -11,7 +11,7 @@ import json
 import sqlite3
 from typing import Literal
 
-from flywheel.envs.base import ToolError
+from flywheel.contract import ToolError
 from flywheel.envs.support.db import money
 
 WRITES = ("cancel_order", "change_shipping", "refund_order", "transfer_to_human")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from flywheel.agent import run_episodes
 from flywheel.config import RLConfig
+from flywheel.contract import Environment
 from flywheel.devices import actor_device
-from flywheel.envs.base import Environment
 from flywheel.policies.base import Sampling
 from flywheel.train.rl.batch import Group, make_groups
 from flywheel.train.rl.source import Work
@@ -102,7 +102,7 @@ def actor_main(actor: int, model_dir: str, env: Environment, cfg: RLConfig, max_
             generate_s = time.perf_counter() - started
             for group in groups:
                 group.actor, group.generate_s, group.idle_s = actor, generate_s / len(groups), idle / len(groups)
-            counts = dict(getattr(env, "counters", None) or {})
+            counts = env.counters
             if groups:
                 groups[0].env_counts = {k: n - counted.get(k, 0) for k, n in counts.items() if n != counted.get(k, 0)}
                 counted = counts

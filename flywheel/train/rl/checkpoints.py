@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from flywheel.config import RLConfig
-from flywheel.envs.base import Task
+from flywheel.contract import Task
 from flywheel.train.checkpoint import save_student
 
 FINGERPRINT = "fingerprint.json"

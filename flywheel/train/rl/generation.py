@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from flywheel.config import RLConfig
-from flywheel.envs.base import Environment
+from flywheel.contract import Environment
 from flywheel.train.rl.actor import ActorPool, rollout
 from flywheel.train.rl.batch import Group
 from flywheel.train.rl.buffer import RolloutBuffer
@@ -110,10 +110,9 @@ class Actors:
     def take(self, item: Work, learn_s: float) -> tuple[list[Group], list[Group], float]:
         """(fresh groups, stale groups dropped, seconds waited) of step item.step, the learner's version."""
         fresh, stale, waited = self.buffer.take(item.step, self.cfg.tasks_per_step, item.step)
-        count = getattr(self.env, "count", None)
-        for group in fresh + stale if count else []:  # the actors' tool errors etc. join the stage's counters
+        for group in fresh + stale:  # the actors' tool errors etc. join the stage's counters
             for key, n in (group.env_counts or {}).items():
-                count(key, n)
+                self.env.count(key, n)
         return fresh, stale, waited
 
     def publish(self, model: torch.nn.Module, version: int) -> None:

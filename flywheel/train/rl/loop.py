@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from flywheel.config import RLConfig
-from flywheel.envs.base import Environment, Task
+from flywheel.contract import Environment, Task
 from flywheel.metrics import RL_LAST_REWARD, RL_REWARD
 from flywheel.train.rl.batch import Group, advantages_of, collate, samples_of
 from flywheel.train.rl.checkpoints import Checkpoints, fingerprint

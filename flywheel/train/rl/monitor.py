@@ -17,7 +17,7 @@ import numpy as np
 
 from flywheel.agent import Episode, run_episodes
 from flywheel.config import RLConfig
-from flywheel.envs.base import Environment, Task
+from flywheel.contract import Environment, Task
 from flywheel.metrics import AUDIT_PASS, REWARD_AUDIT_GAP, REWARD_HACKING, RL_REWARD
 from flywheel.policies.base import Sampling
 
@@ -31,8 +31,7 @@ def audit_sample(tasks: list[Task], n: int) -> list[Task]:
 
 def audited(env: Environment, episode: Episode) -> bool:
     """Whether the episode passes the environment's audit checks; its rubric's `passed` when it declares none."""
-    audit = getattr(env, "audit", None)
-    verdict = audit(episode.task, episode.messages) if audit is not None else None
+    verdict = env.audit(episode.task, episode.messages)
     if verdict is None:
         return bool(episode.passed)
     return all(value >= 1.0 for value in verdict.values())

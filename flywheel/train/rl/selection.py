@@ -18,7 +18,7 @@ import torch
 
 from flywheel.agent import run_episodes
 from flywheel.config import RLConfig
-from flywheel.envs.base import Environment, Task
+from flywheel.contract import Environment, Task
 from flywheel.policies.base import Sampling
 
 VALIDATION_PASS = "validation_pass"  # per check: share of the validation sample the rubric passes

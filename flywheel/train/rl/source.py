@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from flywheel.config import RLConfig
-from flywheel.envs.base import Task
+from flywheel.contract import Task
 
 
 @dataclass(frozen=True)
