@@ -63,6 +63,17 @@ def get_order(order_id: str, state: sqlite3.Connection) -> str:
     return _json({"status": status, "total": money(cents), "shipping": shipping, "payment": payment})
 
 
+def _close(state: sqlite3.Connection, order_id: str, status_after: str) -> str:
+    """Cancel or refund: the order takes `status_after` and its total goes back to its payment method."""
+    oid, _, status, cents, _, payment = _order(state, order_id)
+    if status in ("cancelled", "refunded"):
+        raise ToolError(f"order {oid} is already {status}")
+    with state:
+        state.execute("UPDATE orders SET status = ? WHERE order_id = ?", (status_after, oid))
+        state.execute("INSERT INTO refunds VALUES (?, ?, ?)", (oid, cents, payment))
+    return _json({"status": status_after, "refund": money(cents), "to": payment})
+
+
 def cancel_order(order_id: str, state: sqlite3.Connection) -> str:
     """Cancel an order and refund its total to its payment method.
 
@@ -70,6 +81,15 @@ def cancel_order(order_id: str, state: sqlite3.Connection) -> str:
         order_id: the order's id, e.g. W1234
     """
     return _close(state, order_id, "cancelled")
+
+
+def refund_order(order_id: str, state: sqlite3.Connection) -> str:
+    """Refund an order's total to its payment method.
+
+    Args:
+        order_id: the order's id, e.g. W1234
+    """
+    return _close(state, order_id, "refunded")
 
 
 def change_shipping(order_id: str, speed: Literal["standard", "express"], state: sqlite3.Connection) -> str:
@@ -87,26 +107,6 @@ def change_shipping(order_id: str, speed: Literal["standard", "express"], state:
     with state:
         state.execute("UPDATE orders SET shipping = ? WHERE order_id = ?", (speed, oid))
     return _json({"shipping": speed})
-
-
-def _close(state: sqlite3.Connection, order_id: str, status_after: str) -> str:
-    """Cancel or refund: the order takes `status_after` and its total goes back to its payment method."""
-    oid, _, status, cents, _, payment = _order(state, order_id)
-    if status in ("cancelled", "refunded"):
-        raise ToolError(f"order {oid} is already {status}")
-    with state:
-        state.execute("UPDATE orders SET status = ? WHERE order_id = ?", (status_after, oid))
-        state.execute("INSERT INTO refunds VALUES (?, ?, ?)", (oid, cents, payment))
-    return _json({"status": status_after, "refund": money(cents), "to": payment})
-
-
-def refund_order(order_id: str, state: sqlite3.Connection) -> str:
-    """Refund an order's total to its payment method.
-
-    Args:
-        order_id: the order's id, e.g. W1234
-    """
-    return _close(state, order_id, "refunded")
 
 
 def transfer_to_human(order_id: str, reason: Literal["damaged", "lost"], state: sqlite3.Connection) -> str:
