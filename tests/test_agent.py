@@ -133,3 +133,42 @@ def test_episodes_on_example_trace_prompts(env):
     episodes = run_episodes(env, OraclePolicy(env), tasks[:40])
     assert all(e.passed and e.turns == 2 for e in episodes)
     assert {t.slice for t in tasks} == {"add", "mul", "mixed"}
+
+
+class FollowUp(CalculatorEnv):
+    """The calculator whose user asks one follow-up question after the first answer, then ends the conversation."""
+
+    def start(self, task):
+        return {"seen": []}  # each episode's own record of what its user was shown
+
+    def user_turn(self, task, messages, state=None):
+        state["seen"].append(messages[-1]["content"])
+        return {"role": "user", "content": "And what is 2 + 2?"} if len(state["seen"]) == 1 else None
+
+
+class Says:
+    """Answers every conversation with a fixed text, no tool calls."""
+
+    name = "says"
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def generate(self, conversations, tools, sampling):
+        return [Completion(message={"role": "assistant", "content": self.text}) for _ in conversations]
+
+
+def test_the_environments_user_keeps_the_conversation_going_until_it_ends_it():
+    env = FollowUp()
+    task = next(env.generate_tasks(0))
+    (episode,) = run_episodes(env, Says("4"), [task], max_turns=5)
+    assert [m["role"] for m in episode.messages] == ["user", "assistant", "user", "assistant"]
+    assert episode.messages[2]["content"] == "And what is 2 + 2?"
+    assert episode.stop == "answer" and episode.turns == 2
+    (cut,) = run_episodes(env, Says("4"), [task], max_turns=1)  # the turn limit ends it first
+    assert cut.stop == "max_turns" and [m["role"] for m in cut.messages] == ["user", "assistant", "user"]
+
+
+def test_by_default_the_conversation_ends_at_the_first_answer(env):
+    (episode,) = run_episodes(env, Says("4"), [next(env.generate_tasks(0))], max_turns=5)
+    assert [m["role"] for m in episode.messages] == ["user", "assistant"] and episode.stop == "answer"
