@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from flywheel.agent import run_episodes
-from flywheel.data.traces import normalise_messages
+from flywheel.data.trace_rows import normalise_messages
 from flywheel.envs.replay import ReplayEnv
 from flywheel.policies.base import Completion
 

@@ -47,6 +47,7 @@ def main() -> None:
     from flywheel.policies.base import Sampling
     from flywheel.policies.hf import HFPolicy
     from flywheel.serving.chat import input_example
+    from flywheel.serving.mlflow_model import StudentChatModel
     from flywheel.serving.server import ModelServer
     from flywheel.train.tiny import build_tiny_student, environment_corpus
 
@@ -56,7 +57,8 @@ def main() -> None:
         else cfg.student.tiny
     student = build_tiny_student(environment_corpus(env, n=300, seed=0), tiny, state / "student")
     run = registry.start_run(state, "bench", "register")
-    registry.register(run, "bench", student, "bench", {}, [], example=input_example(env))
+    registry.register(run, "bench", student, "bench", {}, [], python_model=StudentChatModel(),
+                      example=input_example(env))
     run.end()
     registry.client().set_registered_model_alias("bench", "champion", "1")
 

@@ -51,7 +51,7 @@ def bare_trl(student: str, rows: list[dict], out: Path, sft) -> tuple[int, float
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
-    from flywheel.train.checkpoint import gguf_file
+    from flywheel.checkpoints import gguf_file
     from flywheel.train.templates import SMOLLM2_TRAINING_TEMPLATE
 
     file = gguf_file(student)
@@ -139,8 +139,9 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
+    from flywheel.checkpoints import load_student
     from flywheel.config import load_pipeline
-    from flywheel.train.checkpoint import canonical_messages, load_student
+    from flywheel.policies.toolcalls import canonical_messages
 
     torch.set_num_threads(2)
     cfg = load_pipeline("smol", ROOT / "pipelines.yaml")

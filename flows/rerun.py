@@ -15,9 +15,9 @@ from flows.retrain import retrain
 from flywheel import registry, reproduce
 from flywheel.config import load_pipeline
 from flywheel.data.catalog import Catalog
-from tasks.spec import ORDER
+from flywheel.stages import ORDER
 
-RESTORABLE = ORDER[:2]  # collect reads trace sources, synthesize a teacher: both may answer differently today
+RESTORABLE = list(ORDER[:2])  # collect reads trace sources, synthesize a teacher: both may answer differently today
 
 
 def rerun(run_id: str, root: str = ".", promote: bool = False, push: bool = True,

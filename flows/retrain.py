@@ -12,8 +12,8 @@ from flows.stage import run_stage
 from flywheel import registry
 from flywheel.config import load_pipeline
 from flywheel.data import dvc
-from flywheel.stages import StageResult
-from tasks.spec import ORDER, STAGES, output_hashes
+from flywheel.stages import ORDER, StageResult
+from tasks.spec import STAGES, output_hashes
 
 
 @flow(name=RETRAIN_FLOW, log_prints=False)
@@ -77,7 +77,7 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
         if use_dvc and push and ran:
             dvc.push(root_path)
         if use_dvc:
-            registry.record_lock(parent, root_path, pipeline)
+            registry.record_lock(parent, dvc.read_lock(root_path), pipeline)
     except BaseException:
         parent.end(ok=False)
         raise

@@ -137,10 +137,10 @@ def record_config(run: Run, pipeline: str, config: dict) -> None:
     run.text(yaml.safe_dump({"pipelines": {pipeline: config}}, sort_keys=False), RECORD_CONFIG)
 
 
-def record_lock(run: Run, root: Path, pipeline: str) -> None:
-    """Keep the pipeline's dvc.lock entries (md5 of every dataset, model, param and code dep) with the run."""
-    lock = root / "dvc.lock"
-    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}) if lock.exists() else {}
+def record_lock(run: Run, stages: dict, pipeline: str) -> None:
+    """Keep the pipeline's dvc.lock entries (md5 of every dataset, model, param and code dep) with the run.
+
+    `stages` is dvc.lock as flywheel.data.dvc.read_lock reads it: the data layer sits above this module."""
     mine = {name: entry for name, entry in stages.items() if name.endswith(f"@{pipeline}")}
     run.text(yaml.safe_dump({"schema": "2.0", "stages": mine}, sort_keys=False), RECORD_LOCK)
 
@@ -197,6 +197,10 @@ def get_version(name: str, version: str) -> Version:
     return _version(client().get_model_version(name, str(version)))
 
 
+# The artifact key, and the folder under a registered model's artifacts/, of the Hugging Face checkpoint
+CHECKPOINT = "checkpoint"
+
+
 def download(version: Version, dst: Path | None = None) -> Path:
     """Fetch a version's checkpoint folder; loads with from_pretrained like any other.
 
@@ -212,8 +216,6 @@ def download(version: Version, dst: Path | None = None) -> Path:
 
 def checkpoint_in(folder: Path) -> Path:
     """The Hugging Face checkpoint inside a downloaded version: under artifacts/ for an MLflow model."""
-    from flywheel.serving.mlflow_model import CHECKPOINT
-
     mlmodel = folder / "MLmodel"
     if not mlmodel.exists():
         return folder
@@ -241,11 +243,9 @@ def pip_requirements() -> list[str]:
     return pins
 
 
-def log_student(run: Run, model_dir: Path, name: str, example: dict | None, tags: dict) -> str:
-    """Log the checkpoint as a pyfunc chat model in the run (signature, input example); its models:/ URI."""
+def log_student(run: Run, model_dir: Path, name: str, python_model, example: dict | None, tags: dict) -> str:
+    """Log the checkpoint as a pyfunc model in the run (signature, input example); its model id."""
     import mlflow
-
-    from flywheel.serving.mlflow_model import CHECKPOINT, StudentChatModel
 
     inside = f"artifacts/{model_dir.name}"  # where MLflow puts the artifact folder
     metadata = {"flywheel.pipeline": name, "checkpoint": inside,
@@ -254,7 +254,7 @@ def log_student(run: Run, model_dir: Path, name: str, example: dict | None, tags
                 else f"{inside}/tokenizer_config.json"}
     with warnings.catch_warnings(), mlflow.start_run(run_id=run.run_id):  # thread-local: no other stage's run
         warnings.simplefilter("ignore")  # ChatModel's deprecation, and "no signature for params" notes
-        info = mlflow.pyfunc.log_model(name="model", python_model=StudentChatModel(),
+        info = mlflow.pyfunc.log_model(name="model", python_model=python_model,
                                        artifacts={CHECKPOINT: str(model_dir)}, input_example=example,
                                        pip_requirements=pip_requirements(), metadata=metadata,
                                        model_config={"model_name": name},
@@ -263,12 +263,14 @@ def log_student(run: Run, model_dir: Path, name: str, example: dict | None, tags
 
 
 def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
-             aliases: list[str], eval_table: Path | None = None, example: dict | None = None) -> Version:
+             aliases: list[str], eval_table: Path | None = None, python_model=None,
+             example: dict | None = None) -> Version:
     """Register the checkpoint as a new version, or return the one already holding this model_hash (idempotent).
 
-    With `example` (a chat request with messages and tools: the model's input example, which MLflow answers
-    once while logging) the version is an MLflow pyfunc chat model over the checkpoint; without one it is the
-    checkpoint folder alone, as versions were before (tests' stand-in folders that cannot answer).
+    With `python_model` (flywheel.serving.mlflow_model.StudentChatModel: how a student answers is serving's) the
+    version is an MLflow pyfunc chat model over the checkpoint, `example` (a chat request with messages and tools)
+    its input example, which MLflow answers once while logging; without one it is the checkpoint folder alone, as
+    versions were before (tests' stand-in folders that cannot answer).
     """
     if "champion" in aliases:  # it moves under the promotion lock, compare-and-set, never as a side effect
         raise ValueError("register() does not set 'champion': use flywheel.promotion.promote")
@@ -282,8 +284,8 @@ def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
         mv = existing[0]
     else:
         version_tags = {"flywheel.model_hash": model_hash, **{k: str(v) for k, v in tags.items()}}
-        if example is not None:
-            model_id = log_student(run, model_dir, name, example, tags)
+        if python_model is not None:
+            model_id = log_student(run, model_dir, name, python_model, example, tags)
             source = {"source": f"models:/{model_id}", "model_id": model_id}
         else:
             run.artifact(model_dir, "model")

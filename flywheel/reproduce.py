@@ -15,11 +15,11 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-import yaml
 from mlflow.exceptions import MlflowException
 
 from flywheel import registry
@@ -87,7 +87,8 @@ def recorded_run(run_id: str) -> Recorded:
     if lock_text is None:
         raise RerunError(f"run {run_id} recorded no dvc.lock ({registry.RECORD_LOCK}): it ran outside a DVC "
                          "project, so its data versions are unknown")
-    lock = (yaml.safe_load(lock_text) or {}).get("stages", {})
+    lock = dvc.parse_lock(lock_text, f"the dvc.lock recorded on run {run_id} ({registry.RECORD_LOCK})",
+                          "the record is damaged: rerun another retrain run")
     scores = {k: v for k, v in run.data.metrics.items() if k.startswith("score_")}
     return Recorded(run_id, pipeline, config_text, lock, tags.get("git.commit", "unknown"), tags.get("git.dirty", ""),
                     tags.get("flywheel.gate", ""), scores)
@@ -123,7 +124,7 @@ def workspace(root: Path, run_id: str) -> Path:
     return state_dir(root) / "reruns" / run_id
 
 
-def prepare_workspace(root: Path, recorded: Recorded, order: list[str]) -> Workspace:
+def prepare_workspace(root: Path, recorded: Recorded, order: Sequence[str]) -> Workspace:
     """A fresh copy of today's code with the recorded config and dvc.lock, sharing the project's DVC cache."""
     root = root.resolve()
     if not dvc.is_repo(root):
@@ -141,8 +142,7 @@ def prepare_workspace(root: Path, recorded: Recorded, order: list[str]) -> Works
     except ConfigError as err:
         raise RerunError(f"the config recorded on run {recorded.run_id} does not validate with today's code "
                          f"(check out its commit {recorded.commit[:12]} to rerun it):\n{err}") from None
-    ws_lock = {"schema": "2.0", "stages": {k: recorded.lock[k] for k in _ordered(recorded.lock, order)}}
-    (ws / "dvc.lock").write_text(yaml.safe_dump(ws_lock, sort_keys=False))
+    dvc.write_lock(ws, {k: recorded.lock[k] for k in _ordered(recorded.lock, order)})
     local = ws / ".dvc" / "config.local"
     if (root / ".dvc" / "config.local").exists():
         shutil.copy2(root / ".dvc" / "config.local", local)
@@ -176,7 +176,7 @@ def _share_teacher_cache(root: Path, ws: Path, recorded: Recorded) -> None:
         (ws / cache).symlink_to(root / cache)
 
 
-def _ordered(lock: dict, order: list[str]) -> list[str]:
+def _ordered(lock: dict, order: Sequence[str]) -> list[str]:
     return sorted(lock, key=lambda k: order.index(k.split("@")[0]) if k.split("@")[0] in order else len(order))
 
 
@@ -280,10 +280,10 @@ class RerunReport:
         return json.dumps(payload, indent=2)
 
 
-def compare_outputs(recorded: Recorded, ws: Path, cache: Path, order: list[str],
+def compare_outputs(recorded: Recorded, ws: Path, cache: Path, order: Sequence[str],
                     restored: list[str]) -> list[OutputCheck]:
     """Each recorded output of each stage against the workspace's dvc.lock after the rerun, file by file."""
-    lock = yaml.safe_load((ws / "dvc.lock").read_text()).get("stages", {})
+    lock = dvc.read_lock(ws)
     checks = []
     for key in _ordered(recorded.lock, order):
         stage = key.split("@")[0]
@@ -306,7 +306,7 @@ def compare_outputs(recorded: Recorded, ws: Path, cache: Path, order: list[str],
 
 def code_changes(recorded: Recorded, ws: Path) -> list[str]:
     """Code and files the stages depend on whose md5 differs from the recorded run's."""
-    lock = yaml.safe_load((ws / "dvc.lock").read_text()).get("stages", {})
+    lock = dvc.read_lock(ws)
     changes = set()
     for key, entry in recorded.lock.items():
         now = {d["path"]: d.get("md5", "") for d in lock.get(key, {}).get("deps", [])}

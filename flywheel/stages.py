@@ -1,8 +1,8 @@
 """The stages of a pipeline as plain data: their names in order, and what a stage returns.
 
 Both sides read this: tasks/ (the stages themselves, run by Prefect) and the parts of flywheel/ that read what
-the stages recorded (flywheel/status.py), which may not import tasks/. tasks/spec.py holds each stage's inputs,
-config sections, code and outputs, in this order.
+the stages recorded (flywheel/status.py), which may not import tasks/. ORDER is the one list of the stages:
+tasks/spec.py holds each one's inputs, config sections, code and outputs, keyed and ordered by it.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from flywheel.data.schemas import Quarantine
 from flywheel.data.shapes import SourceError
 from flywheel.data.sources import FileReader, readers, remote_fingerprint
 from flywheel.data.tasksets import made_tasks, task_table
-from flywheel.data.traces import collect as collect_traces
-from flywheel.data.traces import gc_paused, system_allocator, table_rows
+from flywheel.data.trace_rows import collect as collect_traces
+from flywheel.data.trace_rows import gc_paused, system_allocator, table_rows
 from flywheel.stages import StageResult
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task

@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from flywheel import registry
+from flywheel.checkpoints import saved_chat_template
 from flywheel.config import PipelineConfig
 from flywheel.contract import Task, prompt_hash
 from flywheel.data.catalog import Catalog, content_hash
@@ -18,7 +19,6 @@ from flywheel.evaluate.report import plot_slices, slice_scores
 from flywheel.evaluate.runner import check_contamination, evaluate_model, synthetic_prompt_hashes
 from flywheel.metrics import GATE_COST_SAVING, GATE_COST_SAVING_LOW
 from flywheel.stages import StageResult
-from flywheel.train.checkpoint import saved_chat_template
 from flywheel.train.rl.monitor import MONITOR_FILE
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
@@ -96,14 +96,10 @@ def _heldout(catalog: Catalog) -> list[Task]:
 
 def _models(catalog: Catalog, pipeline: str, candidate_hash: str) -> tuple[dict[str, Path], registry.Version | None]:
     """Label -> checkpoint of every model to score (the champion unless it is the candidate); the champion."""
-    models = {"base": catalog.model_dir("base"), "sft": catalog.model_dir("sft"), "rl": catalog.model_dir("rl")}
+    models = {"base": catalog.base_model(), "sft": catalog.model_dir("sft"), "rl": catalog.model_dir("rl")}
     champion = registry.get_alias(pipeline, "champion")
     if champion is not None and champion.model_hash != candidate_hash:
         models["champion"] = registry.download(champion)
-    if (models["base"] / "SOURCE").exists():  # a named checkpoint, not one built here
-        source = (models["base"] / "SOURCE").read_text().strip()
-        local = catalog.root / source  # under the project root, else as given (a hub id, `pkg:...gguf`)
-        models["base"] = local if local.exists() else Path(source)
     return models, champion
 
 
@@ -122,7 +118,7 @@ def _templates(catalog: Catalog) -> dict[str, str]:
     Its own template may not render tools at all (SmolLM2's), and then the comparison would measure the prompt,
     not the training; the training variants render everything else as the original does.
     """
-    if not (catalog.model_dir("base") / "SOURCE").exists():
+    if catalog.base_source() is None:
         return {}  # built here (tiny): its own template is the one SFT trained with
     return {"base": saved_chat_template(catalog.model_dir("sft"))}
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from flywheel import promotion, registry
+from flywheel.checkpoints import adapter_base
 from flywheel.data import dvc
 from flywheel.data.catalog import content_hash
 from flywheel.evaluate.gate import GateDecision
 from flywheel.serving.chat import input_example
+from flywheel.serving.mlflow_model import StudentChatModel
 from flywheel.stages import ORDER, StageResult
-from flywheel.train.checkpoint import adapter_base
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
 
@@ -53,7 +54,7 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
                  **{f"flywheel.gate.{k}": round(v, 4) for k, v in (gate["numbers"].get("diff") or {}).items()
                     if isinstance(v, float)}}
         version = registry.register(run, pipeline, model_dir, model_hash, tags, ["challenger"],
-                                    eval_table=catalog.table_path("eval"),
+                                    eval_table=catalog.table_path("eval"), python_model=StudentChatModel(),
                                     example=input_example(stage.env))
         # compare-and-set: the gate was taken against the champion of evaluate time; if another run moved
         # champion since, the stored eval tables are gated again against the new one

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
+from flywheel.checkpoints import adapter_base
 from flywheel.data.lineage import dvc_md5, log_dataset
 from flywheel.metrics import final_metrics
 from flywheel.stages import StageResult
-from flywheel.train.checkpoint import PACKAGE_PREFIX, adapter_base, is_gguf
 from flywheel.train.sft import train_sft
 from flywheel.train.tiny import build_tiny_student, render_conversation
 from tasks.kernel import stage_context, stage_task
@@ -39,12 +38,7 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Sta
             build_tiny_student([render_conversation(r["messages"], r["tools"]) for r in rows],
                                cfg.student.tiny, base_dir)
         else:
-            base_dir.mkdir(parents=True)
-            (base_dir / "SOURCE").write_text(cfg.student.model + "\n")
-        local = root_path / cfg.student.model  # a folder under the project root, else a path or hub id as given
-        base = base_dir if cfg.student.model == "tiny" else local if local.is_dir() else Path(cfg.student.model)
-        if is_gguf(cfg.student.model) and not cfg.student.model.startswith(PACKAGE_PREFIX):
-            base = local  # a GGUF file under the project root (`pkg:` ones are found inside their package)
+            catalog.name_base(cfg.student.model)
         run.metrics({"train_conversations": len(rows), "conversations_from_teacher": len(rows) - from_traces,
                      "conversations_from_traces": from_traces})
         template = root_path / cfg.student.chat_template if cfg.student.chat_template else None
@@ -56,7 +50,8 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Sta
             else:  # eval losses go to MLflow only: the progress line is about training steps
                 run.metrics(values, step=step)
 
-        result = train_sft(base, rows, catalog.model_dir("sft"), cfg.sft, on_log=on_log, chat_template=template,
+        result = train_sft(catalog.base_model(), rows, catalog.model_dir("sft"), cfg.sft, on_log=on_log,
+                           chat_template=template,
                            accelerate_config=root_path / "infra" / "accelerate" / f"{cfg.sft.launcher}.yaml",
                            device=cfg.student.device)
         run.metrics(final_metrics(result))

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import flywheel
+from flywheel.checkpoints import CheckpointError, gguf_file, is_gguf
 from flywheel.config import PipelineConfig, load_pipeline, load_pipelines
 from flywheel.data.catalog import content_hash
 from flywheel.data.sources import local_files
 from flywheel.envs import environment_sources
-from flywheel.stages import ORDER as STAGE_ORDER
-from flywheel.train.checkpoint import CheckpointError, gguf_file, is_gguf
+from flywheel.stages import ORDER
 
 PACKAGE_ROOT = Path(flywheel.__file__).resolve().parent.parent
 
@@ -40,10 +40,23 @@ class StageSpec:
         return [root / o.format(p=pipeline) for o in self.outs]
 
 
-_EPISODES = ("flywheel/agent.py", "flywheel/envs", "flywheel/policies", "flywheel/devices.py")
-# how every stage starts, ends and says what it returns: part of every stage's code
-_KERNEL = ("tasks/kernel.py", "flywheel/stages.py")
-STAGES: dict[str, StageSpec] = {s.name: s for s in [
+def _in_order(specs: list[StageSpec]) -> dict[str, StageSpec]:
+    """name -> spec in the order of flywheel/stages.py's ORDER, the one list of stages: one spec for each name."""
+    names = [s.name for s in specs]
+    missing = [n for n in ORDER if n not in names]
+    extra = sorted({n for n in names if n not in ORDER or names.count(n) > 1})
+    if missing or extra:
+        raise RuntimeError(f"tasks/spec.py: no StageSpec for {missing}, a StageSpec not in ORDER or given twice "
+                           f"for {extra}: every name in flywheel/stages.py ORDER needs exactly one StageSpec here")
+    return {name: next(s for s in specs if s.name == name) for name in ORDER}
+
+
+_EPISODES = ("flywheel/agent.py", "flywheel/envs", "flywheel/policies", "flywheel/checkpoints.py",
+             "flywheel/devices.py")
+# how every stage starts, ends and says what it returns, and the environment contract it holds: part of every
+# stage's code
+_KERNEL = ("tasks/kernel.py", "flywheel/stages.py", "flywheel/contract.py")
+STAGES: dict[str, StageSpec] = _in_order([
     StageSpec("collect", (), ("environment", "collect"),
               ("tasks/collect.py", *_KERNEL, "flywheel/data", "flywheel/envs"), ("data/{p}/collect",)),
     StageSpec("synthesize", ("data/{p}/collect",), ("environment", "teacher", "synthesize"),
@@ -52,7 +65,7 @@ STAGES: dict[str, StageSpec] = {s.name: s for s in [
               ("data/{p}/synthesize",)),
     StageSpec("sft", ("data/{p}/synthesize",), ("student", "sft"),
               ("tasks/sft.py", *_KERNEL, "tasks/progress.py", "flywheel/data", "flywheel/train", "flywheel/devices.py",
-               "flywheel/metrics.py"),
+               "flywheel/metrics.py", "flywheel/checkpoints.py", "flywheel/policies/toolcalls.py"),
               ("models/{p}/base", "models/{p}/sft")),
     StageSpec("rl", ("data/{p}/collect", "models/{p}/sft"), ("environment", "rl"),
               ("tasks/rl.py", *_KERNEL, "tasks/progress.py", "flywheel/data", "flywheel/train", "flywheel/metrics.py",
@@ -65,13 +78,10 @@ STAGES: dict[str, StageSpec] = {s.name: s for s in [
     # collect: the input example is one of the tasks (a replay environment's come from the collected traces)
     StageSpec("register", ("data/{p}/collect", "models/{p}/rl", "data/{p}/evaluate"), ("gate",),
               ("tasks/register.py", *_KERNEL, "flywheel/registry.py", "flywheel/promotion.py", "flywheel/evaluate",
-               "flywheel/serving/chat.py", "flywheel/serving/mlflow_model.py", "flywheel/policies/toolcalls.py"),
+               "flywheel/serving/chat.py", "flywheel/serving/mlflow_model.py", "flywheel/policies/toolcalls.py",
+               "flywheel/checkpoints.py"),
               ("data/{p}/register",)),
-]}
-if tuple(STAGES) != STAGE_ORDER:
-    raise RuntimeError(f"tasks/spec.py STAGES {list(STAGES)} and flywheel/stages.py ORDER {list(STAGE_ORDER)} "
-                       "differ: a stage is one entry in each, in the same order")
-ORDER = list(STAGES)
+])
 
 
 def code_hash(spec: StageSpec) -> str:

@@ -16,6 +16,7 @@ import pandas as pd
 from flywheel.agent import Episode, run_episodes
 from flywheel.config import TeacherConfig
 from flywheel.contract import Environment, prompt_hash
+from flywheel.data.catalog import named_model
 from flywheel.data.tasksets import row_task
 from flywheel.policies import Policy, get_policy
 from flywheel.policies.base import Sampling
@@ -89,7 +90,7 @@ def build_teacher(cfg: TeacherConfig, env: Environment, root: Path) -> Policy | 
         return get_policy("oracle", env=env, error_rate=cfg.error_rate, error_slices=cfg.error_slices,
                           error_seed=cfg.error_seed)
     if cfg.policy in ("hf", "vllm"):  # a folder under the project root (not the cwd), else a hub id as given
-        model = str(root / cfg.model) if (root / cfg.model).exists() else cfg.model
+        model = str(named_model(root, cfg.model))
         if cfg.policy == "hf":
             return get_policy("hf", model_or_path=model, device=cfg.device)
         return get_policy("vllm", model=model, device=cfg.device)

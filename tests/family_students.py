@@ -37,7 +37,7 @@ def build_family_student(family: str, out_dir: Path, rows: list[dict], template:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from flywheel.train.checkpoint import canonical_messages
+    from flywheel.policies.toolcalls import canonical_messages
 
     own, special, added, eos, pad, bos = FAMILIES[family]
     template = template or own

@@ -14,7 +14,7 @@ from flywheel.contract import prompt_hash, split_of
 from flywheel.data.catalog import Catalog, DataError
 from flywheel.data.redaction import Redactor
 from flywheel.data.sources import readers
-from flywheel.data.traces import collect
+from flywheel.data.trace_rows import collect
 
 REPO = Path(__file__).resolve().parent.parent
 CALL = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}
@@ -330,7 +330,7 @@ def test_prompt_hash_hashes_the_json_text_it_always_did():
 def test_tool_lists_kept_json_text_is_what_json_writes_for_each():
     """orjson writes null for NaN and infinities and one text per value: the kept text must still be json's."""
     from flywheel.data.shapes import timestamp
-    from flywheel.data.traces import _tools_text
+    from flywheel.data.trace_rows import _tools_text
 
     for value in (float("nan"), None, float("inf"), 1, 1.0, True, 2**70, "\u00e9"):
         tools = [{"type": "function", "function": {"name": "f", "x": value}}]

@@ -10,7 +10,7 @@ import pytest
 from flywheel.config import CollectConfig, RedactionConfig
 from flywheel.data.redaction import Redactor
 from flywheel.data.sources import readers
-from flywheel.data.traces import collect
+from flywheel.data.trace_rows import collect
 
 GITHUB = "ghp_" + "A1b2C3d4" * 5
 

@@ -67,7 +67,7 @@ def test_stage_job_variables_come_from_stages_json_and_name_what_is_missing(tmp_
     import json
 
     from flows.deployments import DeployError, stage_job_variables
-    from tasks.spec import ORDER
+    from flywheel.stages import ORDER
 
     jobs = stage_job_variables(REPO / "infra/k8s/stages.json")
     assert list(jobs) == list(ORDER), "stages only, in order; `retrain` and `_comment` are not stages"
@@ -154,7 +154,7 @@ def test_k8s_job_template_requests_gpus_for_model_stages_only():
 
     from prefect.utilities.templating import apply_values
 
-    from tasks.spec import ORDER
+    from flywheel.stages import ORDER
 
     template = json.loads((REPO / "infra/k8s/base-job-template.json").read_text())
     stages = json.loads((REPO / "infra/k8s/stages.json").read_text())

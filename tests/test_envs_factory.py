@@ -123,7 +123,8 @@ def test_entry_points_are_listed_and_resolve_by_name(tmp_path, monkeypatch):
 
 
 def test_the_envs_code_is_a_dep_and_cache_key_part_of_exactly_the_stages_that_run_it(tmp_path):
-    from tasks.spec import ORDER, STAGES, dvc_yaml, input_key
+    from flywheel.stages import ORDER
+    from tasks.spec import STAGES, dvc_yaml, input_key
 
     root = tmp_path / "project"
     shutil.copytree(REPO / "examples" / "envs", root / "examples" / "envs",

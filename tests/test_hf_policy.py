@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from flywheel.agent import run_episodes
+from flywheel.checkpoints import load_student
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies import get_policy
 from flywheel.policies.base import Sampling
 from flywheel.policies.hf import HFPolicy
-from flywheel.train.checkpoint import load_student
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,10 @@ function counts like one at the top of the module: moving an import into a funct
 remove the dependency, so a cycle through one is still a cycle (what `flywheel stage` or a worker imports
 first decides whether it breaks). Implicit imports of parent packages (`flywheel.data` before
 `flywheel.data.sources`) are not edges: Python runs a package's __init__ before its modules either way.
+
+One level up, the parts of flywheel/ (a subpackage or a top-level module) stand in the layers of LAYERS, and a
+part imports only from layers below its own: importing any module of a package runs its __init__, so a cycle
+between two packages knots them even where no two modules import each other.
 """
 
 from __future__ import annotations
@@ -15,6 +19,30 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("flywheel", "tasks", "flows")
+
+# The parts of flywheel/, bottom first; each imports only from the layers below it.
+LAYERS = (
+    # plain facts that need nothing of the project: the environment contract (Task, Score, Environment, the
+    # prompt hash), the stage names, metric names, the embedded defaults, device settings, the package's version
+    ("flywheel", "flywheel.contract", "flywheel.stages", "flywheel.metrics", "flywheel.settings",
+     "flywheel.devices"),
+    # pipelines.yaml as checked models; MLflow's runs and registry; student checkpoints on disk
+    ("flywheel.config", "flywheel.registry", "flywheel.checkpoints"),
+    # the datasets between stages: schemas, sources, the catalog of paths, DVC
+    ("flywheel.data",),
+    # what writes assistant turns (the oracle, transformers, vLLM, an OpenAI-compatible server)
+    ("flywheel.policies",),
+    # the environments and their loader (a judge is a policy; replay reads the tasks table)
+    ("flywheel.envs",),
+    # the one episode loop
+    ("flywheel.agent",),
+    # what runs the loop: teacher synthesis, SFT and RL, the held-out evaluation and its gate
+    ("flywheel.synthesis", "flywheel.train", "flywheel.evaluate"),
+    # what is done with the trained versions: serving, promotion, comparisons, status, reruns
+    ("flywheel.serving", "flywheel.promotion", "flywheel.comparison", "flywheel.status", "flywheel.reproduce"),
+    # the face: the `flywheel` command
+    ("flywheel.cli",),
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -147,3 +175,39 @@ def test_a_cycle_through_a_function_level_import_is_found():
     assert _cycles(graph) == [["a", "b", "c", "a"]]
     assert _describe(graph, ["a", "b", "c", "a"]) == "a (line 3) -> b (line 10) -> c (line 7) -> a"
     assert _cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def _part(module: str) -> str:
+    """The part of flywheel/ a module belongs to: `flywheel.data.sources` -> `flywheel.data`."""
+    return ".".join(module.split(".")[:2])
+
+
+def _part_edges(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, str]]:
+    """part -> {part it imports: the first module-level edge that shows it, "module (line) -> module"}."""
+    edges: dict[str, dict[str, str]] = {}
+    for module, imported in graph.items():
+        if module.partition(".")[0] != "flywheel":
+            continue
+        edges.setdefault(_part(module), {})
+        for target, line in imported.items():
+            if target.partition(".")[0] == "flywheel" and _part(target) != _part(module):
+                edges[_part(module)].setdefault(_part(target), f"{module} (line {line}) -> {target}")
+    return edges
+
+
+def test_the_parts_of_flywheel_import_only_from_layers_below():
+    edges = _part_edges(_graph())
+    layer = {part: level for level, parts in enumerate(LAYERS) for part in parts}
+    unplaced = sorted(set(edges) - set(layer))
+    assert not unplaced, f"parts of flywheel/ in no layer: {unplaced}; add each to LAYERS where it belongs"
+    upward = [f"{a} (layer {layer[a]}) imports {b} (layer {layer[b]}): {why}"
+              for a, targets in sorted(edges.items()) for b, why in sorted(targets.items()) if layer[b] >= layer[a]]
+    assert not upward, "imports that do not point down the layers:\n" + "\n".join(upward)
+
+
+def test_the_parts_of_flywheel_form_no_cycle():
+    edges = _part_edges(_graph())
+    assert {"flywheel.data", "flywheel.envs", "flywheel.train"} <= set(edges), "the graph reads the parts"
+    cycles = _cycles({part: dict.fromkeys(targets, 0) for part, targets in edges.items()})
+    assert not cycles, "package-level import cycles:\n" + "\n".join(
+        " -> ".join(f"{a} ({edges[a][b]})" for a, b in zip(c, c[1:], strict=False)) for c in cycles)

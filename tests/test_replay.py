@@ -332,7 +332,7 @@ def test_sft_rl_and_evaluate_run_on_replay_tasks_with_no_user_code(tmp_path, mlf
     from flows.retrain import retrain
     from flywheel.config import RedactionConfig
     from flywheel.data.redaction import Redactor
-    from flywheel.data.traces import normalise_messages
+    from flywheel.data.trace_rows import normalise_messages
     from tasks.spec import dvc_yaml
 
     root = make_project(tmp_path / "project", tmp_path / "dvc-remote")

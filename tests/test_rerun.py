@@ -100,13 +100,14 @@ def lock_md5(lock: dict, path: str) -> str:
 def _retrain_record(project, lock: dict | None, config: bool = True) -> str:
     """A finished retrain run as the flow records it, without running the stages."""
     from flywheel import registry
+    from flywheel.data import dvc
 
     run = registry.start_run(project, "small", "retrain")
     if config:
         registry.record_config(run, "small", yaml.safe_load(SMALL_PIPELINE)["pipelines"]["small"])
     if lock is not None:
         (project / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": lock}))
-        registry.record_lock(run, project, "small")
+        registry.record_lock(run, dvc.read_lock(project), "small")
         (project / "dvc.lock").unlink()
     run.end(ok=True)
     return run.run_id

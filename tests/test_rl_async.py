@@ -17,10 +17,10 @@ import pytest
 import torch
 from test_rl_loop import GradedCalculator, weights
 
+from flywheel.checkpoints import load_student
 from flywheel.config import RLConfig
 from flywheel.data.schemas import Rollouts
 from flywheel.envs.calculator import CalculatorEnv
-from flywheel.train.checkpoint import load_student
 from flywheel.train.rl.batch import Group, Rollout
 from flywheel.train.rl.buffer import RolloutBuffer
 from flywheel.train.rl.loop import train_rl

@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_rl_loop import GradedCalculator, weights
 
+from flywheel.checkpoints import load_student
 from flywheel.config import RLConfig
 from flywheel.envs.calculator import CalculatorEnv
-from flywheel.train.checkpoint import load_student
 from flywheel.train.rl.learner import learning_rate
 from flywheel.train.rl.loop import train_rl
 from flywheel.train.rl.source import filtered_work, saturated_tasks

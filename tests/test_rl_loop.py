@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from flywheel.agent import run_episodes
+from flywheel.checkpoints import load_student
 from flywheel.config import RLConfig, TinyModelConfig
 from flywheel.contract import Score
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies.oracle import OraclePolicy
 from flywheel.policies.toolcalls import render_tool_call
-from flywheel.train.checkpoint import load_student
 from flywheel.train.rl.batch import advantages_of, collate, encode_episode, make_groups, samples_of
 from flywheel.train.rl.learner import learn_on_batch
 from flywheel.train.rl.loop import train_rl
@@ -131,7 +131,7 @@ def test_learner_starts_from_ratio_one_on_assistant_tokens_only(student):
     model, tokenizer = load_student(student)
     episodes = oracle_episodes(env, 4, 2)
     for episode in episodes:  # what the policy "generated": exactly the tokens the template gives each turn
-        from flywheel.train.checkpoint import encode_conversation
+        from flywheel.train.encoding import encode_conversation
 
         ids, mask = encode_conversation(tokenizer, episode.messages, env.tools(), 256)
         runs = [[]]

@@ -13,6 +13,7 @@ from test_rl_loop import weights
 
 from flywheel import promotion, registry
 from flywheel.agent import run_episodes
+from flywheel.checkpoints import load_student
 from flywheel.config import GateConfig, RLConfig
 from flywheel.envs.calculator import (
     CalculatorEnv,
@@ -28,7 +29,6 @@ from flywheel.evaluate.gate import decide
 from flywheel.metrics import AUDIT_PASS, REWARD_AUDIT_GAP, REWARD_HACKING
 from flywheel.policies.base import Completion, Sampling
 from flywheel.policies.oracle import OraclePolicy
-from flywheel.train.checkpoint import load_student
 from flywheel.train.rl.loop import train_rl
 from flywheel.train.rl.monitor import Monitor, audit_sample
 

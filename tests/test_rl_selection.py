@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_rl_loop import CFG, GradedCalculator, weights
 
+from flywheel.checkpoints import load_student
 from flywheel.envs.calculator import CalculatorEnv
-from flywheel.train.checkpoint import load_student
 from flywheel.train.rl.loop import train_rl
 from flywheel.train.rl.selection import VALIDATION_PASS, VALIDATION_REWARD, validation_split
 

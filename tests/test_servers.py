@@ -57,7 +57,7 @@ def test_deployed_retrain_on_servers_with_s3(project, prefect_api, mlflow_server
     from prefect.client.schemas.sorting import FlowRunSort
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.spec import ORDER
+    from flywheel.stages import ORDER
 
     s3, bucket = s3_bucket
     tracking_uri, _ = mlflow_server

@@ -32,6 +32,7 @@ def store(tmp_path_factory):
     from flywheel import registry
     from flywheel.config import SFTConfig, TinyModelConfig
     from flywheel.serving.chat import input_example
+    from flywheel.serving.mlflow_model import StudentChatModel
     from flywheel.train.sft import train_sft
     from flywheel.train.tiny import build_tiny_student, environment_corpus
 
@@ -49,7 +50,8 @@ def store(tmp_path_factory):
         example = input_example(CalculatorEnv())
         for model_dir, model_hash in ((trained, "trained"), (base, "untrained")):
             run = registry.start_run(root, NAME, "register")
-            registry.register(run, NAME, model_dir, model_hash, {"flywheel.gate": "passed"}, [], example=example)
+            registry.register(run, NAME, model_dir, model_hash, {"flywheel.gate": "passed"}, [],
+                              python_model=StudentChatModel(), example=example)
             run.end()
         registry.client().set_registered_model_alias(NAME, "champion", "1")
         yield os.environ["MLFLOW_TRACKING_URI"], root
@@ -190,7 +192,7 @@ def test_served_traffic_is_collected_with_its_version_and_labels(server, tmp_pat
     from flywheel.config import CollectConfig
     from flywheel.data.redaction import Redactor
     from flywheel.data.sources import readers
-    from flywheel.data.traces import collect
+    from flywheel.data.trace_rows import collect
     from flywheel.policies.base import Sampling
     from flywheel.policies.openai import OpenAIPolicy
 

@@ -7,10 +7,11 @@ from itertools import islice
 import pytest
 
 from flywheel.agent import run_episodes
+from flywheel.checkpoints import load_student
 from flywheel.config import SFTConfig
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies.oracle import OraclePolicy
-from flywheel.train.checkpoint import encode_conversation, load_student
+from flywheel.train.encoding import encode_conversation
 from flywheel.train.sft import build_sft_trainer, train_sft
 
 

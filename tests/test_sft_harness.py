@@ -13,7 +13,7 @@ from flywheel.config import SFTConfig
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies.hf import HFPolicy
 from flywheel.policies.oracle import OraclePolicy
-from flywheel.train.checkpoint import canonical_messages
+from flywheel.policies.toolcalls import canonical_messages
 from flywheel.train.sft import build_sft_trainer, train_sft
 
 

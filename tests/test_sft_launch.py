@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from family_students import calculator_rows
 
+from flywheel.checkpoints import load_student
 from flywheel.config import SFTConfig
-from flywheel.train.checkpoint import load_student
 from flywheel.train.sft import train_sft
 
 REPO = Path(__file__).resolve().parent.parent

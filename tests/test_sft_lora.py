@@ -9,8 +9,8 @@ import pytest
 import torch
 from family_students import calculator_rows
 
+from flywheel.checkpoints import adapter_base, load_student
 from flywheel.config import LoRAConfig, SFTConfig
-from flywheel.train.checkpoint import adapter_base, load_student
 from flywheel.train.sft import train_sft
 
 
@@ -86,7 +86,7 @@ def test_qlora_trains_on_a_gpu_and_merges_into_a_full_precision_base(tiny_studen
 def test_an_fsdp_save_merges_the_adapter_before_returning(tiny_student, rows, tmp_path, monkeypatch):
     """FSDP cannot run here: the trainer is told it is sharded and saves as the FSDP gather does on one process
     (the peft model writes its adapter); `merged` must still leave a plain checkpoint."""
-    from flywheel.train.checkpoint import save_student
+    from flywheel.checkpoints import save_student
     from flywheel.train.sft import _save, build_sft_trainer
 
     cfg = lora_cfg("merged")

@@ -11,8 +11,8 @@ import time
 import torch
 from family_students import calculator_rows
 
+from flywheel.checkpoints import load_student
 from flywheel.config import SFTConfig
-from flywheel.train.checkpoint import load_student
 from flywheel.train.sft import train_sft
 from flywheel.train.sft_job import write_job
 

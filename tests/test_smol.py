@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from family_students import calculator_rows
 
+from flywheel.checkpoints import CheckpointError, gguf_file, is_gguf, load_student
 from flywheel.config import LoRAConfig, SFTConfig, load_pipeline
-from flywheel.train.checkpoint import CheckpointError, gguf_file, is_gguf, load_student
 from tasks.spec import input_key
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from tasks.spec import ORDER, STAGES, dvc_yaml, source_deps
+from flywheel.stages import ORDER
+from tasks.spec import STAGES, dvc_yaml, source_deps
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_dvc_yaml_is_generated_from_the_stage_specs():
     assert (REPO / "dvc.yaml").read_text() == dvc_yaml(REPO), "run `python -m tasks.spec > dvc.yaml`"
     stages = yaml.safe_load(dvc_yaml())["stages"]
-    assert list(stages) == ORDER
+    assert list(stages) == list(ORDER)
     for name, spec in STAGES.items():
         params = stages[name]["do"].get("params", [{}])[0].get("pipelines.yaml", [])
         assert params == [f"pipelines.${{key}}.{section}" for section in spec.config], name
@@ -88,3 +89,14 @@ def test_each_pipelines_collect_stage_depends_on_its_own_sources_in_real_dvc(pro
     (project / "logs/two/b.jsonl").write_text("{}\n")  # a new file of pipeline two only
     stale = json.loads(dvc("status", "--json", "collect@one", "collect@two", "collect@three"))
     assert set(stale) == {"collect@two"}, stale
+
+
+def test_every_stage_in_order_needs_exactly_one_spec():
+    from tasks.spec import _in_order
+
+    specs = list(STAGES.values())
+    assert list(_in_order(specs[::-1])) == list(ORDER), "the specs are listed in ORDER's order, however written"
+    with pytest.raises(RuntimeError, match=r"no StageSpec for \['rl'\]"):
+        _in_order([s for s in specs if s.name != "rl"])
+    with pytest.raises(RuntimeError, match=r"given twice for \['sft'\]"):
+        _in_order([*specs, STAGES["sft"]])

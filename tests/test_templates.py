@@ -14,7 +14,7 @@ from trl.chat_template_utils import (
 )
 
 from flywheel.config import SFTConfig
-from flywheel.train.checkpoint import canonical_messages
+from flywheel.policies.toolcalls import canonical_messages
 from flywheel.train.sft import build_sft_trainer, train_sft
 from flywheel.train.templates import ChatTemplateError, training_template
 
@@ -58,7 +58,7 @@ def test_trl_training_variant_is_swapped_in_and_masks_assistant_tokens_only(fami
     # The saved student carries the training template; the harness then renders what SFT trained on.
     train_sft(base, rows, tmp_path / "out", small())
     assert training_template(trainer.processing_class, "x") == TRAINING[family]
-    from flywheel.train.checkpoint import load_student
+    from flywheel.checkpoints import load_student
 
     assert load_student(tmp_path / "out")[1].chat_template == TRAINING[family]
 
@@ -141,7 +141,7 @@ def test_smollm2_template_gets_the_shipped_training_variant_and_masks_each_assis
     from transformers import PreTrainedTokenizerFast
 
     from flywheel.policies.toolcalls import render_tool_call
-    from flywheel.train.checkpoint import encode_conversation
+    from flywheel.train.encoding import encode_conversation
     from flywheel.train.templates import SMOLLM2_TEMPLATE, SMOLLM2_TRAINING_TEMPLATE
 
     # A character-level tokenizer with SmolLM2's template: enough to check the choice and the mask, no download.

@@ -7,9 +7,10 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from flywheel.checkpoints import CheckpointError, load_student
 from flywheel.config import TinyModelConfig
 from flywheel.policies.toolcalls import parse_completion, render_tool_call
-from flywheel.train.checkpoint import CheckpointError, encode_conversation, load_student
+from flywheel.train.encoding import encode_conversation
 from flywheel.train.tiny import CHAT_TEMPLATE, build_tiny_student
 
 TOOLS = [{"type": "function", "function": {

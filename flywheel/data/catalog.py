@@ -26,6 +26,10 @@ TABLES: dict[str, tuple[str, type[schemas.Strict]]] = {
 }
 
 
+# models/<p>/base/SOURCE: the name of the checkpoint the student starts from, when it was not built there
+BASE_SOURCE = "SOURCE"
+
+
 class DataError(ValueError):
     """A table is missing or breaks its contract; the message names the file and the failing checks."""
 
@@ -42,6 +46,21 @@ class Catalog:
 
     def model_dir(self, name: str) -> Path:
         return self.root / "models" / self.pipeline / name
+
+    def name_base(self, model: str) -> None:
+        """Record that the student's base is the checkpoint the config names, not one built in models/<p>/base."""
+        self.model_dir("base").mkdir(parents=True)
+        (self.model_dir("base") / BASE_SOURCE).write_text(model + "\n")
+
+    def base_source(self) -> str | None:
+        """The checkpoint models/<p>/base/SOURCE names; None when the base was built there (tiny)."""
+        source = self.model_dir("base") / BASE_SOURCE
+        return source.read_text().strip() if source.exists() else None
+
+    def base_model(self) -> Path:
+        """Where the student's base lives: models/<p>/base when built there, else the checkpoint SOURCE names."""
+        source = self.base_source()
+        return self.model_dir("base") if source is None else named_model(self.root, source)
 
     def table_path(self, name: str) -> Path:
         stage, _ = TABLES[name]
@@ -105,6 +124,13 @@ class Catalog:
         if not path.exists():
             raise DataError(f"{path}: not found; run the stage '{stage}' first")
         return json.loads(path.read_text())
+
+
+def named_model(root: Path, name: str) -> Path:
+    """A model the config names: under the project root when it is there (a folder, a GGUF file), else as given
+    (a hub id, an absolute path, `pkg:PACKAGE/FILE.gguf`)."""
+    local = root / name
+    return local if local.exists() else Path(name)
 
 
 def _validate(schema: type[schemas.Strict], frame: pd.DataFrame, path: Path) -> pd.DataFrame:

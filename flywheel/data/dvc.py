@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+LOCK_FILE = "dvc.lock"  # in the project root: every stage's deps, params and outs with their md5, as DVC keeps them
 # DVC holds one lock per repo and a second process fails after ~3 s: serialise our own calls, retry theirs.
 _LOCK = threading.Lock()
 
@@ -93,12 +94,35 @@ def set_local(root: Path, *setting: str) -> None:
         _dvc(root, "config", "--local", *setting)
 
 
+def read_lock(root: Path) -> dict[str, dict]:
+    """`stage@pipeline` -> its entry in the project's dvc.lock (deps, params, outs); {} when there is none."""
+    path = root / LOCK_FILE
+    return parse_lock(path.read_text(), str(path)) if path.exists() else {}
+
+
+def parse_lock(text: str, source: str,
+               fix: str = "restore it from git (`git checkout -- dvc.lock`) or run `dvc commit` again") -> dict:
+    """The stages of a dvc.lock's text; a DvcError naming `source` (where the text came from) and `fix` if broken."""
+    try:
+        lock = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise DvcError(f"{source}: not valid YAML, so not a dvc.lock DVC wrote ({err}); {fix}") from None
+    stages = lock.get("stages") or {} if isinstance(lock, dict) else None
+    if not isinstance(stages, dict):
+        raise DvcError(f"{source}: not a dvc.lock (no mapping of stages); {fix}")
+    return stages
+
+
+def write_lock(root: Path, stages: dict[str, dict]) -> Path:
+    """Write a dvc.lock holding these stages' entries, as DVC writes one (schema 2.0, in the order given)."""
+    path = root / LOCK_FILE
+    path.write_text(yaml.safe_dump({"schema": "2.0", "stages": stages}, sort_keys=False))
+    return path
+
+
 def lock_hashes(root: Path, stage: str, pipeline: str) -> dict[str, str]:
     """path -> md5 of a stage's deps and outs as dvc.lock records them (lineage tags); empty if not locked."""
-    lock = root / "dvc.lock"
-    if not lock.exists():
-        return {}
-    entry = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).get(f"{stage}@{pipeline}", {})
+    entry = read_lock(root).get(f"{stage}@{pipeline}", {})
     return {item["path"]: item.get("md5", "") for kind in ("deps", "outs") for item in entry.get(kind, [])}
 
 

@@ -146,7 +146,7 @@ def outcome_of(value, score: float | None, rule: OutcomeRule, path: str) -> str:
             return "accepted" if score >= rule.score_threshold else "rejected"
         return "unknown"
     for outcome, values in (("accepted", rule.accepted), ("rejected", rule.rejected), ("unknown", rule.unknown)):
-        if any(_same(value, v) for v in values):
+        if any(_loosely_equal(value, v) for v in values):
             return outcome
     raise BadRecord("bad_outcome", f"{path} is {value!r}: not one of accepted {rule.accepted}, rejected "
                                    f"{rule.rejected}, unknown {rule.unknown} (the source's `outcome:` rule)")
@@ -192,7 +192,8 @@ def _json_text(value, path: str):
     return value
 
 
-def _same(a, b) -> bool:
+def _loosely_equal(a, b) -> bool:
+    """Equal, text regardless of case; a bool only to itself (True is not 1)."""
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
     if isinstance(a, str) and isinstance(b, str):

@@ -5,7 +5,7 @@ watermark a later incremental run passes back as `since` to read only what is ne
 - files: per file, the bytes and lines already read and their md5 (JSON Lines files that grow are read from
   where the last run stopped; any other change re-reads the file, and duplicates merge by content);
 - S3: per object key, the ETag read (a new or rewritten object is read whole);
-- MLflow: see flywheel/data/tracing.py.
+- MLflow: see flywheel/data/mlflow_traces.py.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import orjson
 
 from flywheel.config import CollectConfig, SourceConfig
 from flywheel.data.catalog import expand
+from flywheel.data.mlflow_traces import MlflowReader
 from flywheel.data.shapes import BadRecord, SourceError
-from flywheel.data.tracing import MlflowReader
 
 Item = tuple[str, str | None, dict | BadRecord]
 BLOCK_BYTES = 4 << 20  # FileReader.read(parse=False): JSON Lines in blocks of about this many bytes of whole lines

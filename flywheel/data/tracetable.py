@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 
 from flywheel.data import tasksets
 from flywheel.data.catalog import Catalog
-from flywheel.data.traces import SCHEMA, keep_earliest, order, to_arrow
+from flywheel.data.trace_rows import SCHEMA, keep_earliest, order, to_arrow
 
 __all__ = ["SCHEMA", "Merged", "Written", "merge", "to_arrow", "unchanged", "write"]
 

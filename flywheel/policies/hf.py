@@ -11,15 +11,15 @@ from flywheel.policies.toolcalls import parse_completion
 
 
 class HFPolicy:
-    """Assistant turns from a causal LM through its chat template; `.model` may be swapped for a live model."""
+    """Assistant turns from a causal LM through its chat template: a checkpoint it loads, or a live model it shares."""
 
     name = "hf"
 
     def __init__(self, model_or_path, tokenizer=None, batch_size: int = 64, device: str = "auto"):
         """A checkpoint path is loaded onto `device` (auto: CUDA when present); a live model stays where it is."""
         if isinstance(model_or_path, (str, Path)):
+            from flywheel.checkpoints import load_student
             from flywheel.devices import resolve_device
-            from flywheel.train.checkpoint import load_student
 
             target = resolve_device(device, f"hf policy for {model_or_path}")  # before loading: fail fast
             model, loaded_tokenizer = load_student(model_or_path)
@@ -33,10 +33,6 @@ class HFPolicy:
         self.tokenizer = tokenizer
         self.tokenizer.padding_side = "left"  # new tokens are appended on the right of every row
         self.batch_size = batch_size
-
-    def set_model(self, model) -> None:
-        """Generate with this model from now on (the RL learner's live weights)."""
-        self.model = model
 
     def load_weights(self, state_dict) -> None:
         """Copy published weights (an RL learner's state dict) into the model in place."""
@@ -72,7 +68,7 @@ class HFPolicy:
                         device) -> list[Completion]:
         import torch
 
-        from flywheel.train.checkpoint import canonical_messages
+        from flywheel.policies.toolcalls import canonical_messages
 
         tok = self.tokenizer
         batch = tok.apply_chat_template([canonical_messages(c) for c in conversations], tools=tools or None,

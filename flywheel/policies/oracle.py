@@ -51,7 +51,7 @@ class OraclePolicy:
         seen: dict[str, int] = {}  # identical conversations (samples of one task) err independently
         for i, conversation in enumerate(conversations):
             state = states[i] if states else None
-            message = self.env.solve(conversation) if state is None else self.env.solve(conversation, state)
+            message = self.env.solve(conversation, state)
             calls = message.get("tool_calls") or []
             if self.error_rate and not calls and self._errs(conversation, seen):
                 message = {**message, "content": wrong_answer(message.get("content") or "")}

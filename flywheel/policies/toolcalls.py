@@ -42,3 +42,28 @@ def render_tool_call(call: dict) -> str:
     if isinstance(arguments, str):
         arguments = json.loads(arguments)
     return "<tool_call>" + json.dumps({"name": fn["name"], "arguments": arguments}, ensure_ascii=False) + "</tool_call>"
+
+
+def canonical_messages(messages: list[dict]) -> list[dict]:
+    """Copies with tool-call arguments as objects, the form real templates expect (`arguments | tojson`).
+
+    Templates that accept text write the same characters: transformers' tojson is json.dumps(ensure_ascii=False).
+    """
+    out = []
+    for message in messages:
+        message = dict(message)
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                fn = dict(call.get("function", {}))
+                arguments = fn.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments)
+                    except json.JSONDecodeError:
+                        pass  # written as it came: the model sees what it (or the trace) wrote
+                fn["arguments"] = arguments if arguments is not None else {}
+                calls.append({**call, "function": fn})
+            message["tool_calls"] = calls
+        out.append(message)
+    return out

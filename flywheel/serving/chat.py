@@ -47,7 +47,7 @@ class ChatRequest:
 
 def parse_request(body) -> ChatRequest:
     """Check a chat.completions body; raise RequestError naming the parameter that is wrong."""
-    from flywheel.data.traces import BadRecord, normalise_messages
+    from flywheel.data.trace_rows import BadRecord, normalise_messages
 
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -151,7 +151,7 @@ class ChatEngine:
 
     def prompt_tokens(self, request: ChatRequest) -> int:
         """How many tokens the prompt takes through the student's chat template."""
-        from flywheel.train.checkpoint import canonical_messages
+        from flywheel.policies.toolcalls import canonical_messages
 
         encoded = self.tokenizer.apply_chat_template(canonical_messages(request.messages),
                                                      tools=request.tools or None, add_generation_prompt=True,

@@ -18,11 +18,16 @@ with warnings.catch_warnings():  # ChatModel is "deprecated" in favour of Respon
     from mlflow.pyfunc import ChatModel
     from mlflow.types.llm import ChatCompletionResponse
 
-CHECKPOINT = "checkpoint"  # the artifact key, and the folder under the model's artifacts/, of the HF checkpoint
+from flywheel.registry import CHECKPOINT
 
 
 class StudentChatModel(ChatModel):
     """The student checkpoint answering chat requests with tools; loaded on CPU unless a GPU is present."""
+
+    def __init__(self):
+        with warnings.catch_warnings():  # ChatModel's deprecation, as at its import above
+            warnings.simplefilter("ignore")
+            super().__init__()
 
     def load_context(self, context) -> None:
         from flywheel.serving.chat import ChatEngine

@@ -218,12 +218,14 @@ def traces_folder(root: Path, name: str) -> Path:
 
 
 class ModelServer:
-    """The server in a background thread on a free loopback port (tests, the loop, the benchmark)."""
+    """The server: `with ModelServer(...)` runs it in a background thread on a free loopback port (tests, the loop,
+    the benchmark); `run()` serves in this thread until interrupted (`flywheel serve-model`)."""
 
     def __init__(self, name: str, alias: str = "champion", traces: Path | None = None, poll_s: float = 2.0,
                  backend: str = "hf", device: str = "auto", port: int = 0, host: str = "127.0.0.1"):
         self.follower = AliasFollower(name, alias, backend, device)
-        self.traffic = TrafficLog(traces) if traces is not None else None
+        self.traces = traces
+        self.traffic: TrafficLog | None = None  # made once the version is loaded
         self.host, self.port, self.poll_s = host, port, poll_s
         self._stop, self._wake = threading.Event(), threading.Event()
         self._threads: list[threading.Thread] = []
@@ -237,12 +239,14 @@ class ModelServer:
         """Check the alias now (what SIGHUP does)."""
         self._wake.set()
 
-    def __enter__(self) -> ModelServer:
+    def _start(self) -> None:
+        """Load the version behind the alias, build the HTTP server and start following the alias."""
         import socket
 
         import uvicorn
 
         self.follower.start()
+        self.traffic = TrafficLog(self.traces) if self.traces is not None else None
         if not self.port:
             with socket.socket() as probe:
                 probe.bind((self.host, 0))
@@ -250,14 +254,35 @@ class ModelServer:
         config = uvicorn.Config(create_app(self.follower, self.traffic), host=self.host, port=self.port,
                                 log_level="warning", access_log=False)
         self._server = uvicorn.Server(config)
-        self._threads = [threading.Thread(target=self._server.run, daemon=True, name="serve-model"),
-                         threading.Thread(target=self.follower.follow, args=(self._stop, self._wake, self.poll_s),
-                                          daemon=True, name="serve-model-alias")]
-        for thread in self._threads:
-            thread.start()
+        follow = threading.Thread(target=self.follower.follow, args=(self._stop, self._wake, self.poll_s),
+                                  daemon=True, name="serve-model-alias")
+        self._threads.append(follow)
+        follow.start()
+
+    def run(self) -> None:
+        """Serve in this thread until interrupted (uvicorn's SIGINT and SIGTERM handling); SIGHUP checks the alias."""
+        self._start()
+        if hasattr(signal, "SIGHUP"):
+            signal.signal(signal.SIGHUP, lambda *_: self.reload())
+        follower = self.follower
+        print(f"serving {follower.name}@{follower.alias} (version {follower.current.version.version}, "
+              f"{follower.backend}) at {self.url} (pid {os.getpid()}); traffic to "
+              f"{self.traces or 'nowhere (--no-record)'}; following the alias every {self.poll_s:g}s and on SIGHUP",
+              flush=True)
+        try:
+            self._server.run()
+        finally:
+            self._stop.set()
+            self._wake.set()
+
+    def __enter__(self) -> ModelServer:
+        self._start()
+        serving = threading.Thread(target=self._server.run, daemon=True, name="serve-model")
+        self._threads.append(serving)
+        serving.start()
         deadline = time.monotonic() + 60
         while not self._server.started:
-            if time.monotonic() > deadline or not self._threads[0].is_alive():
+            if time.monotonic() > deadline or not serving.is_alive():
                 raise ServeError(f"the server did not start on {self.host}:{self.port}")
             time.sleep(0.05)
         return self
@@ -274,20 +299,4 @@ class ModelServer:
 def serve(name: str, alias: str, host: str, port: int, traces: Path | None, poll_s: float, backend: str,
           device: str) -> None:
     """Serve until interrupted (the `flywheel serve-model` command): SIGHUP checks the alias at once."""
-    import uvicorn
-
-    follower = AliasFollower(name, alias, choose_backend(backend), device)
-    loaded = follower.start()
-    traffic = TrafficLog(traces) if traces is not None else None
-    stop, wake = threading.Event(), threading.Event()
-    if hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, lambda *_: wake.set())
-    threading.Thread(target=follower.follow, args=(stop, wake, poll_s), daemon=True, name="alias").start()
-    print(f"serving {name}@{alias} (version {loaded.version.version}, {follower.backend}) at "
-          f"http://{host}:{port}/v1 (pid {os.getpid()}); traffic to {traces or 'nowhere (--no-record)'}; "
-          f"following the alias every {poll_s:g}s and on SIGHUP", flush=True)
-    try:
-        uvicorn.run(create_app(follower, traffic), host=host, port=port, log_level="warning")
-    finally:
-        stop.set()
-        wake.set()
+    ModelServer(name, alias, traces, poll_s, choose_backend(backend), device, port, host).run()

@@ -19,9 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flywheel.checkpoints import load_student, save_student
 from flywheel.config import SFTConfig
 from flywheel.metrics import SFT_LAST_LOSS
-from flywheel.train.checkpoint import canonical_messages, encode_conversation, load_student, save_student
+from flywheel.policies.toolcalls import canonical_messages
+from flywheel.train.encoding import encode_conversation
 from flywheel.train.templates import training_template
 
 FINGERPRINT = "flywheel-sft.json"

@@ -17,7 +17,7 @@ CONTROL_TOKENS = [TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
 # tokens. Each assistant turn's content and its end token sit inside {% generation %} so SFT (assistant-only
 # loss) and the RL learner train the model to stop. Tool calls are written exactly as
 # flywheel.policies.toolcalls.render_tool_call writes them; arguments given as a JSON string are written
-# verbatim, so they must be canonical (json.dumps defaults; flywheel.train.checkpoint.canonical_messages).
+# verbatim, so they must be canonical (json.dumps defaults; flywheel.policies.toolcalls.canonical_messages).
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(system='', tools='') -%}"
     "{%- if messages and messages[0].role == 'system' -%}{%- set ns.system = messages[0].content or '' -%}"
@@ -64,7 +64,7 @@ def render_conversation(messages: list[dict], tools: list[dict] | None) -> str:
     """A conversation as the tiny student's chat template writes it (text, before tokenizing)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from flywheel.train.checkpoint import canonical_messages
+    from flywheel.policies.toolcalls import canonical_messages
 
     rendered, _ = render_jinja_template(conversations=[canonical_messages(messages)], tools=tools or None,
                                         chat_template=CHAT_TEMPLATE)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from flywheel.agent import Episode
-from flywheel.train.checkpoint import encode_conversation
+from flywheel.train.encoding import encode_conversation
 from flywheel.train.rl.advantages import group_advantages
 
 
@@ -111,7 +111,7 @@ def align_behaviour(episode: Episode, input_ids: list[int], mask: list[int], eos
 
 def turn_segments(episode: Episode, tokenizer, tools: list[dict], max_length: int) -> list[Segment]:
     """Each assistant turn as a segment: the prompt as the policy saw it, then the ids it generated."""
-    from flywheel.train.checkpoint import canonical_messages
+    from flywheel.policies.toolcalls import canonical_messages
 
     starts = [i for i, m in enumerate(episode.messages)
               if i >= len(episode.task.prompt) and m["role"] == "assistant"]

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from flywheel.checkpoints import save_student
 from flywheel.config import RLConfig
 from flywheel.contract import Task
-from flywheel.train.checkpoint import save_student
 
 FINGERPRINT = "fingerprint.json"
 # How the work is spread over processes and threads changes no result a checkpoint holds.

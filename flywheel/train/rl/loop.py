@@ -68,7 +68,7 @@ class _Start:
 
 def _start(model_dir: Path, cfg: RLConfig, checkpoints: Checkpoints, device: str) -> _Start:
     """The learner's state: fresh from model_dir, or resumed from the newest checkpoint when there is one."""
-    from flywheel.train.checkpoint import load_student
+    from flywheel.checkpoints import load_student
 
     resumed = checkpoints.latest()
     torch.manual_seed(cfg.seed)
@@ -117,8 +117,8 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     cfg.keep_best: the output is the version that did best on a validation sample of `tasks`, which RL then
     never draws (flywheel/train/rl/selection.py), not the last.
     """
+    from flywheel.checkpoints import save_student
     from flywheel.devices import resolve_device
-    from flywheel.train.checkpoint import save_student
 
     learner_device = resolve_device(device, "student.device (the RL learner)")
     timing = _Timing()

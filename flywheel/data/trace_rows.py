@@ -1,4 +1,4 @@
-"""Traces from every source: checked, normalised, redacted, de-duplicated and split; bad records quarantined."""
+"""Trace rows from every source: checked, normalised, redacted, de-duplicated and split; bad records quarantined."""
 
 from __future__ import annotations
 
@@ -199,7 +199,7 @@ def _to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectCon
     tools_text = _tools_text(tools)
     # Gated first, as one text, since most records have nothing to redact: the strings of the messages (their
     # shape is normalise_messages's), the tool list as its text (which holds all its strings), the rest
-    scrub = _same
+    scrub = _unchanged
     if redactor.needed_in(_message_strings(messages), tools_text, parts.metadata, parts.record_id):
         scrub = redactor.value
         messages, tools = scrub(messages), scrub(tools)
@@ -237,7 +237,7 @@ def _to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectCon
     }, messages
 
 
-def _same(value):
+def _unchanged(value):
     return value
 
 

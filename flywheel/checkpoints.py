@@ -1,11 +1,9 @@
-"""Loading a student checkpoint and turning conversations into token ids with an assistant-token mask."""
+"""Student checkpoint folders: loading one (a full model, a LoRA adapter over its base, a GGUF file) and saving one."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from flywheel.train.templates import has_generation_markers
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: a folder with it is a LoRA adapter over the base it names
 PACKAGE_PREFIX = "pkg:"  # `pkg:PACKAGE/FILE.gguf`: a file shipped inside an installed Python package
@@ -153,51 +151,3 @@ def save_student(model, tokenizer, out_dir: str | Path) -> Path:
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
-
-
-def canonical_messages(messages: list[dict]) -> list[dict]:
-    """Copies with tool-call arguments as objects, the form real templates expect (`arguments | tojson`).
-
-    Templates that accept text write the same characters: transformers' tojson is json.dumps(ensure_ascii=False).
-    """
-    out = []
-    for message in messages:
-        message = dict(message)
-        if message.get("tool_calls"):
-            calls = []
-            for call in message["tool_calls"]:
-                fn = dict(call.get("function", {}))
-                arguments = fn.get("arguments")
-                if isinstance(arguments, str):
-                    try:
-                        arguments = json.loads(arguments)
-                    except json.JSONDecodeError:
-                        pass  # written as it came: the model sees what it (or the trace) wrote
-                fn["arguments"] = arguments if arguments is not None else {}
-                calls.append({**call, "function": fn})
-            message["tool_calls"] = calls
-        out.append(message)
-    return out
-
-
-def encode_conversation(tokenizer, messages: list[dict], tools: list[dict] | None,
-                        max_length: int, chat_template: str | None = None) -> tuple[list[int], list[int]]:
-    """Token ids of a whole conversation and a mask that is 1 on assistant tokens only, cut to max_length."""
-    out = tokenizer.apply_chat_template(canonical_messages(messages), tools=tools or None, tokenize=True,
-                                        return_dict=True, return_assistant_tokens_mask=True,
-                                        chat_template=chat_template or _masking_template(tokenizer))
-    input_ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-    if 1 not in mask:
-        raise ValueError("the chat template marks no assistant tokens: it needs {% generation %} markers "
-                         "around each assistant turn")
-    return input_ids[:max_length], mask[:max_length]
-
-
-def _masking_template(tokenizer) -> str | None:
-    """None when the tokenizer's template marks assistant turns; else TRL's training variant, as SFT uses."""
-    template = tokenizer.chat_template
-    if has_generation_markers(template):
-        return None
-    from trl.chat_template_utils import get_training_chat_template  # only for templates without markers
-
-    return get_training_chat_template(tokenizer)
