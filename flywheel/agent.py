@@ -1,5 +1,10 @@
 """The one episode loop: prompt, assistant turn, tool calls, tool results, until the conversation ends (the agent
-answers and the environment's user has nothing more to say) or the turn limit.
+answers and the environment's user has nothing more to say, or says STOP) or a budget ends it.
+
+An episode's `stop` says how it ended: "answer" (the agent answered and the user had nothing more to say),
+"max_turns" or "budget" (cut: the conversation was still going; counted as conversations_cut), or "user_error"
+(the simulated user failed: the episode is counted as user_errors and left out of every score, since it says
+nothing about the agent).
 
 The teacher (synthesis), the RL actor and the evaluator all call run_episodes, so the student is trained in
 the harness it is judged and deployed in.
@@ -13,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-from flywheel.contract import Environment, Task, ToolError
+from flywheel.contract import STOP, Environment, Task, ToolError, UserError
 from flywheel.policies.base import Completion, Policy, Sampling
 
 _TOOL_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool")
@@ -28,8 +33,20 @@ class Episode:
     passed: bool = False
     breakdown: dict[str, float] = field(default_factory=dict)
     turns: int = 0
-    stop: str = "max_turns"  # "answer" | "max_turns"
+    stop: str = "max_turns"  # "answer" | "max_turns" | "budget" | "user_error"
     completions: list[Completion] = field(default_factory=list)
+    user_error: str = ""  # why the simulated user failed (stop "user_error")
+
+    @property
+    def scored(self) -> bool:
+        """Whether the score says something about the agent: not when its simulated user failed."""
+        return self.stop != "user_error"
+
+    @property
+    def tokens(self) -> int:
+        """The tokens the agent generated over the episode."""
+        return sum(len(c.token_ids) if c.token_ids is not None else int(c.usage.get("completion_tokens", 0))
+                   for c in self.completions)
 
 
 def call_tool(env: Environment, call: dict, timeout_s: float, state: object = None) -> str:
@@ -55,8 +72,13 @@ def call_tool(env: Environment, call: dict, timeout_s: float, state: object = No
 
 def run_episodes(env: Environment, policy: Policy, tasks: Sequence[Task], *, samples: int = 1,
                  sampling: Sampling | None = None, max_turns: int = 4, tool_timeout_s: float = 2.0,
+                 max_tokens: int | None = None,
                  on_done: Callable[[Episode], None] | None = None) -> list[Episode]:
-    """Run `samples` episodes per task, all conversations advancing together one turn at a time (batched)."""
+    """Run `samples` episodes per task, all conversations advancing together one turn at a time (batched).
+
+    max_turns: assistant messages per episode; max_tokens: tokens the agent generates per episode (None: no
+    limit). An episode of a failed simulated user is still returned (stop "user_error"), scored but marked:
+    callers leave it out (Episode.scored)."""
     sampling = sampling or Sampling()
     episodes = [Episode(task=t, sample=s, messages=[dict(m) for m in t.prompt])
                 for t in tasks for s in range(samples)]
@@ -64,8 +86,10 @@ def run_episodes(env: Environment, policy: Policy, tasks: Sequence[Task], *, sam
     # one state per episode, made before its first turn and torn down after its score: never shared
     states = {id(e): env.start(e.task) for e in episodes}
     try:
-        _advance(env, policy, episodes, states, tools, sampling, max_turns, tool_timeout_s)
+        _advance(env, policy, episodes, states, tools, sampling, max_turns, tool_timeout_s, max_tokens)
         for episode in episodes:
+            if episode.stop in ("max_turns", "budget"):
+                env.count("conversations_cut")
             score = env.score(episode.task, episode.messages, states[id(episode)])
             episode.reward, episode.passed, episode.breakdown = score.reward, score.passed, dict(score.breakdown)
             if on_done:
@@ -78,7 +102,7 @@ def run_episodes(env: Environment, policy: Policy, tasks: Sequence[Task], *, sam
 
 
 def _advance(env: Environment, policy: Policy, episodes: list[Episode], states: dict, tools: list[dict],
-             sampling: Sampling, max_turns: int, tool_timeout_s: float) -> None:
+             sampling: Sampling, max_turns: int, tool_timeout_s: float, max_tokens: int | None) -> None:
     """Advance every episode one turn at a time, all conversations in one policy batch per turn."""
     active = list(episodes)
     # the oracle reads the episode state (a model reads only the conversation)
@@ -108,11 +132,25 @@ def _advance(env: Environment, policy: Policy, episodes: list[Episode], states: 
                                              "content": call_tool(env, call, tool_timeout_s,
                                                                   states[id(episode)])})
                 still_active.append(episode)
-            else:
-                reply = env.user_turn(episode.task, episode.messages, states[id(episode)])
-                if reply is None:
-                    episode.stop = "answer"
-                else:  # the user goes on: the conversation is not over
-                    episode.messages.append(reply)
-                    still_active.append(episode)
+            elif _user_speaks(env, episode, states[id(episode)]):
+                still_active.append(episode)
+        if max_tokens is not None:
+            for episode in [e for e in still_active if e.tokens >= max_tokens]:
+                episode.stop = "budget"
+                still_active.remove(episode)
         active = still_active
+
+
+def _user_speaks(env: Environment, episode: Episode, state: object) -> bool:
+    """After the agent's answer: the user's next message appended (True), or how the conversation ended."""
+    try:
+        reply = env.user_turn(episode.task, episode.messages, state)
+    except UserError as err:
+        env.count("user_errors")
+        episode.stop, episode.user_error = "user_error", str(err)
+        return False
+    if reply is None or STOP in str(reply.get("content") or ""):
+        episode.stop = "answer"
+        return False
+    episode.messages.append(reply)  # the user goes on: the conversation is not over
+    return True

@@ -26,6 +26,9 @@ class Task:
     answer: str  # JSON text the environment's rubric reads (verifier data)
     slice: str
     split: str = "train"
+    # the scenario it is an attempt at (collect.group_by: the logs' task id); "" none. Every task of one group
+    # is in one split, and the contamination check compares groups as well as prompts
+    group: str = ""
 
     @property
     def data(self):
@@ -48,6 +51,16 @@ class ToolError(Exception):
 
 class RubricError(ValueError):
     """A reward function returned NaN, a value outside [0, 1] or not a number: a bug in the environment."""
+
+
+class UserError(RuntimeError):
+    """The simulated user could not answer (its model failed after retries, its script raised): the harness marks
+    the episode `user_error`, counts it and leaves it out of every score; it is never the agent's failure."""
+
+
+# What a simulated user says to end the conversation (tau-bench's marker): the episode ends there, as it does
+# when the user has nothing more to say.
+STOP = "###STOP###"
 
 
 # --- the content hash and the split ----------------------------------------------------------------------------
@@ -169,12 +182,16 @@ class Environment(ABC):
     def task_from_trace(self, trace: dict, heldout_fraction: float) -> Task | None:
         """The task of a traces-table row (its `messages` as JSON text or a list), with its split.
 
-        The default reads the messages (task_from_messages) and splits the task by its id; replay reads the
+        The default reads the messages (task_from_messages) and splits the task by its id, or by the trace's
+        group when it has one (collect.group_by: every attempt at a scenario in one split); replay reads the
         whole row and keeps the trace's split. It must depend on the row alone: collect's worker processes
         call it."""
         messages = trace["messages"]
         task = self.task_from_messages(json.loads(messages) if isinstance(messages, str | bytes) else messages)
-        return None if task is None else replace(task, split=split_of(task.task_id, heldout_fraction))
+        if task is None:
+            return None
+        group = trace.get("group") or ""
+        return replace(task, split=split_of(group or task.task_id, heldout_fraction), group=group)
 
     def recorded_tasks(self) -> list[Task]:
         """Tasks that come from a pipeline's collected traces rather than generate_tasks (replay's); none here."""

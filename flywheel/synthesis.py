@@ -12,8 +12,9 @@ from flywheel.contract import Environment, conversation_hash
 
 
 def select_targets(episodes: list[Episode], best_only: bool) -> set[int]:
-    """Indexes of the episodes kept as targets: every one the rubric passed, or the best passing one per task."""
-    passed = [i for i, e in enumerate(episodes) if e.passed]
+    """Indexes of the episodes kept as targets: every one the rubric passed, or the best passing one per task
+    (never one whose simulated user failed: its conversation is not one the task would have had)."""
+    passed = [i for i, e in enumerate(episodes) if e.passed and e.scored]
     if not best_only:
         return set(passed)
     best: dict[str, tuple[tuple, int]] = {}
@@ -43,16 +44,21 @@ def sample_row(e: Episode, accepted: bool, teacher: str, tools: str) -> dict:
     }
 
 
-def trace_rows(traces: pd.DataFrame, env: Environment, heldout_prompts: set[str]) -> list[dict]:
-    """Train traces with outcome 'accepted' as targets; the rubric has the last word where it can check them."""
+def trace_rows(traces: pd.DataFrame, env: Environment, heldout_prompts: set[str], heldout_fraction: float,
+               heldout_groups: set[str] = frozenset()) -> list[dict]:
+    """Train traces with outcome 'accepted' as targets; the rubric has the last word where it can check them.
+
+    Each row carries the tools the model is shown for its task in RL and evaluate (env.tools(), the same list
+    the teacher's rows carry), not the ones the agent happened to log: one harness for training and eval."""
     rows = []
+    tools = json.dumps(env.tools(), ensure_ascii=False)
     for trace in traces.sort_values("trace_id").to_dict("records"):
         if trace["outcome"] != "accepted" or trace["split"] != "train":
             continue
         messages = json.loads(trace["messages"])
-        if conversation_hash(messages) in heldout_prompts:
-            continue  # never train on a held-out prompt, whatever its trace says
-        task = env.task_from_messages(messages)
+        if conversation_hash(messages) in heldout_prompts or (trace.get("group") or "") in heldout_groups - {""}:
+            continue  # never train on a held-out prompt or scenario, whatever its trace says
+        task = env.task_from_trace(trace, heldout_fraction)
         if task is not None:
             score = env.score(task, messages)
             reward, passed, breakdown = score.reward, score.passed, dict(score.breakdown)
@@ -63,7 +69,7 @@ def trace_rows(traces: pd.DataFrame, env: Environment, heldout_prompts: set[str]
         messages = [{**m, "content": m.get("content") or ""} for m in messages]
         rows.append({"sample_id": f"trace-{trace['trace_id']}", "task_id": task.task_id if task else trace["trace_id"],
                      "teacher": "trace", "messages": json.dumps(messages, ensure_ascii=False),
-                     "tools": trace["tools"], "reward": reward,
+                     "tools": tools, "reward": reward,
                      "breakdown": json.dumps(breakdown, sort_keys=True), "accepted": passed,
                      "tokens_in": 0, "tokens_out": 0, "latency_s": 0.0})
     return rows

@@ -23,6 +23,9 @@ from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
 
 
+WARNINGS_SHOWN = 10  # records kept with something to look at, printed; the count is the `warnings` metric
+
+
 class TooManyBadRecords(RuntimeError):
     """More than max_bad_fraction of the records read were quarantined."""
 
@@ -93,6 +96,13 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
         metrics |= {f"outcome_{k}": v for k, v in Counter(outcomes.to_pylist()).items()}
         metrics |= {f"quarantine_{k}": v for k, v in found.reasons.items()}
         metrics |= {f"redacted_{k}": v for k, v in found.redacted.items()}
+        # a field the source names that a record lacks: its task falls back (recorded user turns and writes)
+        metrics |= {f"missing_{k}": v for k, v in found.missing.items()}
+        metrics["warnings"] = len(found.warnings)
+        for line in found.warnings[:WARNINGS_SHOWN]:
+            print(f"      collect: warning: {line}", flush=True)
+        if len(found.warnings) > WARNINGS_SHOWN:
+            print(f"      collect: ... and {len(found.warnings) - WARNINGS_SHOWN} more warnings", flush=True)
         for label in (reader.source.label for reader in sources):
             metrics |= {f"source/{label}/records": found.records[label], f"source/{label}/traces": tables.new[label],
                         f"source/{label}/quarantined": found.bad[label]}

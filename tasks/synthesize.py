@@ -51,7 +51,8 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
             for start in range(0, len(tasks), per_chunk):
                 chunk = run_episodes(env, teacher, tasks[start:start + per_chunk], samples=n, sampling=sampling,
                                      max_turns=cfg.environment.max_turns,
-                                     tool_timeout_s=cfg.environment.tool_timeout_s)
+                                     tool_timeout_s=cfg.environment.tool_timeout_s,
+                                     max_tokens=cfg.environment.max_episode_tokens)
                 episodes += chunk
                 meter.update(chunk)
         finally:
@@ -62,8 +63,10 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
         rows = [sample_row(e, i in targets, teacher_name, tools) for i, e in enumerate(episodes)]
         traces = []
         if cfg.synthesize.include_accepted_traces:
-            heldout = {prompt_hash(json.loads(p)) for p in task_table.loc[task_table["split"] == "heldout", "prompt"]}
-            traces = trace_rows(catalog.read("traces"), env, heldout)
+            held = task_table[task_table["split"] == "heldout"]
+            heldout = {prompt_hash(json.loads(p)) for p in held["prompt"]}
+            traces = trace_rows(catalog.read("traces"), env, heldout, cfg.collect.heldout_fraction,
+                                set(held["group"]))
         catalog.write("synthetic", pd.DataFrame(rows + traces))
 
         accepted = sum(r["accepted"] for r in rows)

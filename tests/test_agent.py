@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.agent import run_episodes
+from flywheel.contract import STOP, UserError
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies import get_policy
 from flywheel.policies.base import Completion
@@ -172,3 +173,52 @@ def test_the_environments_user_keeps_the_conversation_going_until_it_ends_it():
 def test_by_default_the_conversation_ends_at_the_first_answer(env):
     (episode,) = run_episodes(env, Says("4"), [next(env.generate_tasks(0))], max_turns=5)
     assert [m["role"] for m in episode.messages] == ["user", "assistant"] and episode.stop == "answer"
+
+
+class Talkative(FollowUp):
+    """A user who never runs out of things to say, says STOP on request, or fails on its second turn."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+
+    def user_turn(self, task, messages, state=None):
+        state["seen"].append(messages[-1]["content"])
+        if self.mode == "stop" and len(state["seen"]) == 2:
+            return {"role": "user", "content": f"Thanks, that is all. {STOP}"}
+        if self.mode == "fail" and len(state["seen"]) == 2:
+            raise UserError("the user's model is down (3 retries)")
+        return {"role": "user", "content": "And once more?"}
+
+
+def test_a_stop_marker_ends_the_conversation_and_the_marked_line_is_not_added():
+    env = Talkative("stop")
+    (episode,) = run_episodes(env, Says("4"), [next(env.generate_tasks(0))], max_turns=10)
+    assert episode.stop == "answer" and episode.turns == 2 and episode.scored
+    assert [m["role"] for m in episode.messages] == ["user", "assistant", "user", "assistant"]
+    assert "conversations_cut" not in env.counters
+
+
+def test_a_conversation_that_never_ends_is_cut_by_the_turn_or_token_budget_and_counted():
+    env = Talkative("forever")
+    tasks = [next(env.generate_tasks(0))]
+    (cut,) = run_episodes(env, Says("4"), tasks, max_turns=6)
+    assert cut.stop == "max_turns" and cut.turns == 6
+    assert env.counters["conversations_cut"] == 1
+
+    class Counted(Says):  # each answer costs 5 tokens: a budget of 12 ends it after the third
+        def generate(self, conversations, tools, sampling):
+            return [Completion(message={"role": "assistant", "content": "4"}, usage={"completion_tokens": 5})
+                    for _ in conversations]
+
+    (budget,) = run_episodes(env, Counted("4"), tasks, max_turns=30, max_tokens=12)
+    assert budget.stop == "budget" and budget.turns == 3 and budget.tokens == 15
+    assert env.counters["conversations_cut"] == 2
+
+
+def test_a_failing_user_marks_the_episode_user_error_never_the_agents_failure():
+    env = Talkative("fail")
+    (episode,) = run_episodes(env, Says("4"), [next(env.generate_tasks(0))], max_turns=10)
+    assert episode.stop == "user_error" and not episode.scored
+    assert "down" in episode.user_error and env.counters["user_errors"] == 1
+    assert episode.messages[-1]["role"] == "assistant"  # nothing the user did not say was added

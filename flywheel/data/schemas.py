@@ -23,7 +23,10 @@ class Traces(Strict):
     tools: Series[str] = pa.Field(str_startswith="[")  # JSON text, OpenAI function schemas
     outcome: Series[str] = pa.Field(isin=["accepted", "rejected", "unknown"])
     score: Series[float] = pa.Field(nullable=True)
-    split: Series[str] = pa.Field(isin=["train", "heldout"])
+    split: Series[str] = pa.Field(isin=["train", "heldout"])  # by the group when it has one, else the opening
+    group: Series[str]  # collect.group_by's value (the scenario an attempt is at); "" none
+    scenario: Series[str]  # the user's goal (fields.scenario), for a simulated user; "" none
+    expected_actions: Series[str]  # JSON text [{name, arguments}] (fields.expected_actions); "" none
     metadata: Series[str] = pa.Field(str_startswith="{")  # JSON text: the rest of the record
 
     @pa.check("score", name="finite")
@@ -47,6 +50,7 @@ class Tasks(Strict):
     answer: Series[str]  # JSON text: what the rubric checks against
     slice: Series[str]
     split: Series[str] = pa.Field(isin=["train", "heldout"])
+    group: Series[str]  # the scenario (collect.group_by) of a task from a trace; "" none
     origin: Series[str] = pa.Field(isin=["generated", "trace"])
 
 
@@ -93,3 +97,4 @@ class Eval(Strict):
     slice: Series[str]
     tokens: Series[int] = pa.Field(ge=0)  # generated tokens over the episode: the cost the gate can limit
     latency_s: Series[float] = pa.Field(ge=0)  # generation wall time over the episode
+    cost_usd: Series[float] = pa.Field(ge=0)  # at the policy's token prices (0: unpriced)

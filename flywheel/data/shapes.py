@@ -44,6 +44,9 @@ class Parts:
     record_id: str
     time: str
     metadata: dict
+    scenario: str = ""  # the user's goal, "" when the record has none
+    expected_actions: list[dict] | None = None  # [{name, arguments}], None when the record has none
+    missing: tuple[str, ...] = ()  # fields the source names that this record lacks (counted by collect)
 
 
 _MISSING = object()
@@ -52,11 +55,14 @@ _PLAIN_UTC = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z
 # Where each part is when the config does not say: candidates in order, the first present wins.
 _DEFAULTS = {
     "chat": {"messages": ["messages"], "tools": ["tools"], "outcome": ["outcome"], "score": ["score"],
-             "id": ["id"], "time": ["timestamp"]},
+             "id": ["id"], "time": ["timestamp"], "scenario": ["scenario"], "expected_actions": ["expected_actions"]},
     "proxy": {"messages": ["request.messages"], "tools": ["request.tools"], "outcome": ["outcome"],
-              "score": ["score"], "id": ["id", "response.id"], "time": ["timestamp", "response.created"]},
+              "score": ["score"], "id": ["id", "response.id"], "time": ["timestamp", "response.created"],
+              "scenario": ["scenario"], "expected_actions": ["expected_actions"]},
 }
+# Parts a source may name that a record may lack: the task falls back (recorded user turns, recorded writes)
 _DEFAULTS["mapped"] = _DEFAULTS["chat"]
+_OPTIONAL = ("scenario", "expected_actions")
 
 
 def get_path(record, path: str):
@@ -95,6 +101,9 @@ def extract(record: dict, source: SourceConfig) -> Parts:
     shape = shape_of(record, source)
     where, consumed = _layout(source, shape)
     found = {name: _first(record, paths) for name, paths in where.items()}
+    if isinstance(source.fields.id, list):  # several paths: their values joined, all of them or none
+        values = [get_path(record, path) for path in source.fields.id]
+        found["id"] = _MISSING if any(v in (_MISSING, None) for v in values) else ":".join(map(str, values))
     consumed = list(consumed)
 
     messages = _json_text(found["messages"], where["messages"][0])
@@ -116,11 +125,48 @@ def extract(record: dict, source: SourceConfig) -> Parts:
         score = None
     elif isinstance(score, bool) or not isinstance(score, int | float):
         raise BadRecord("wrong_type", f"score at '{where['score'][0]}' is not a number ({score!r})")
+    missing = tuple(name for name in _OPTIONAL if getattr(source.fields, name) and found[name] in (_MISSING, None))
     return Parts(messages=messages, tools=[] if tools is _MISSING or tools is None else tools,
                  outcome=outcome_of(found["outcome"], score, source.outcome, where["outcome"][0]),
                  score=float(score) if score is not None else None,
                  record_id="" if found["id"] in (_MISSING, None) else str(found["id"]),
-                 time=timestamp(found["time"]), metadata=_without(record, consumed))
+                 time=timestamp(found["time"]), metadata=_without(record, consumed),
+                 scenario=_scenario(found["scenario"], where["scenario"][0]),
+                 expected_actions=expected_actions(found["expected_actions"], where["expected_actions"][0]),
+                 missing=missing)
+
+
+def _scenario(value, path: str) -> str:
+    if value is _MISSING or value is None:
+        return ""
+    if not isinstance(value, str):
+        raise BadRecord("wrong_type", f"the scenario at '{path}' is {type(value).__name__}, not text")
+    return value.strip()
+
+
+def expected_actions(value, path: str) -> list[dict] | None:
+    """The record's expected actions as [{name, arguments}] (arguments a JSON object, or its JSON text); None
+    when it has none; BadRecord when they are not that."""
+    value = _json_text(value, path) if isinstance(value, str) else value
+    if value is _MISSING or value is None:
+        return None
+    if not isinstance(value, list):
+        raise BadRecord("bad_expected_actions", f"'{path}' is {type(value).__name__}, not a list of "
+                                                "{name, arguments}")
+    out = []
+    for i, action in enumerate(value):
+        name = action.get("name") if isinstance(action, dict) else None
+        arguments = action.get("arguments", action.get("kwargs", {})) if isinstance(action, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+            raise BadRecord("bad_expected_actions", f"'{path}'[{i}] is not {{name, arguments}} with a tool name and "
+                                                    f"arguments that are a JSON object: {str(action)[:200]}")
+        out.append({"name": name, "arguments": arguments})
+    return out
 
 
 # (shape, the source's field names) -> where each part is, and the paths extract consumes
@@ -129,10 +175,11 @@ _LAYOUTS: dict[tuple, tuple[dict[str, list[str]], tuple[str, ...]]] = {}
 
 def _layout(source: SourceConfig, shape: str) -> tuple[dict[str, list[str]], tuple[str, ...]]:
     fields = source.fields
-    key = (shape, fields.messages, fields.tools, fields.outcome, fields.score, fields.id, fields.time)
+    key = (shape, fields.messages, fields.tools, fields.outcome, fields.score, str(fields.id), fields.time,
+           fields.scenario, fields.expected_actions)
     kept = _LAYOUTS.get(key)
     if kept is None:
-        where = {name: ([given] if (given := getattr(fields, name)) else default)
+        where = {name: ([given] if isinstance(given := getattr(fields, name), str) else default)
                  for name, default in _DEFAULTS[shape].items()}
         kept = where, tuple(paths[0] for name, paths in where.items() if name not in ("id", "time"))
         _LAYOUTS[key] = kept

@@ -14,7 +14,7 @@ from flywheel.config import EnvironmentConfig
 from flywheel.contract import Environment, Task, prompt_hash, split_of
 
 SCHEMA = pa.schema([(name, pa.string()) for name in ("task_id", "env", "prompt", "answer", "slice", "split",
-                                                     "origin")])
+                                                     "group", "origin")])
 
 
 # json.dumps(value, ensure_ascii=False) builds an encoder per call; this is the same encoder, built once
@@ -23,16 +23,17 @@ _JSON_TEXT = json.JSONEncoder(ensure_ascii=False).encode
 
 def task_row(task: Task, origin: str) -> dict:
     return {"task_id": task.task_id, "env": task.env, "prompt": _JSON_TEXT(task.prompt),
-            "answer": task.answer, "slice": task.slice, "split": task.split, "origin": origin}
+            "answer": task.answer, "slice": task.slice, "split": task.split, "group": task.group, "origin": origin}
 
 
 def row_task(row: dict) -> Task:
     return Task(task_id=row["task_id"], env=row["env"], prompt=json.loads(row["prompt"]), answer=row["answer"],
-                slice=row["slice"], split=row["split"])
+                slice=row["slice"], split=row["split"], group=row.get("group") or "")
 
 
 # the traces-table columns an environment may build a task from (task_from_trace)
-TRACE_COLUMNS = ["trace_id", "source", "messages", "tools", "outcome", "score", "split"]
+TRACE_COLUMNS = ["trace_id", "source", "messages", "tools", "outcome", "score", "split", "group", "scenario",
+                 "expected_actions"]
 
 
 def trace_task(env: Environment, heldout_fraction: float, trace: dict,
@@ -172,4 +173,4 @@ def _generate(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float,
 
 
 def _with_split(task: Task, split: str) -> Task:
-    return Task(task.task_id, task.env, task.prompt, task.answer, task.slice, split)
+    return Task(task.task_id, task.env, task.prompt, task.answer, task.slice, split, task.group)

@@ -27,7 +27,7 @@ from flywheel.config import CollectConfig, SourceConfig
 from flywheel.contract import conversation_hash, split_of
 from flywheel.data import schemas, sources
 from flywheel.data.redaction import Redactor
-from flywheel.data.shapes import BadRecord, PartialTurn, extract
+from flywheel.data.shapes import _MISSING, BadRecord, PartialTurn, extract, get_path
 from flywheel.data.sources import FileReader, Lines
 
 ROLES = {"system", "user", "assistant", "tool"}
@@ -43,7 +43,8 @@ _JSON_SORTED = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str)
 SCHEMA = pa.schema([("trace_id", pa.string()), ("record_id", pa.string()), ("source", pa.string()),
                     ("location", pa.string()), ("collected_at", pa.string()), ("messages", pa.string()),
                     ("tools", pa.string()), ("outcome", pa.string()), ("score", pa.float64()),
-                    ("split", pa.string()), ("metadata", pa.string())])
+                    ("split", pa.string()), ("group", pa.string()), ("scenario", pa.string()),
+                    ("expected_actions", pa.string()), ("metadata", pa.string())])
 
 __all__ = ["BadRecord", "Collected", "Reader", "collect", "gc_paused", "normalise_messages", "system_allocator",
            "to_trace"]
@@ -74,6 +75,8 @@ class Collected:
     duplicates: int = 0
     partial: int = 0
     states: dict[str, dict] = field(default_factory=dict)
+    missing: Counter = field(default_factory=Counter)  # per field a source names: records without it
+    warnings: list[str] = field(default_factory=list)  # records kept, with something to look at
 
     @property
     def traces(self) -> list[dict]:
@@ -192,18 +195,23 @@ def to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConf
 
 
 def _to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectConfig, redactor: Redactor,
-              label: str | None) -> tuple[dict, list[dict]]:
-    """to_trace's row, and its messages as a list (what json.loads of the row's `messages` gives)."""
+              label: str | None) -> tuple[dict, list[dict], tuple[str, ...]]:
+    """to_trace's row, its messages as a list (what json.loads of the row's `messages` gives), and the fields
+    the config names that the record lacks (scenario, expected_actions, group)."""
     parts = extract(record, source)
     messages, tools = normalise_messages(parts.messages), _list(parts.tools, "tools")
     tools_text = _tools_text(tools)
     # Gated first, as one text, since most records have nothing to redact: the strings of the messages (their
     # shape is normalise_messages's), the tool list as its text (which holds all its strings), the rest
     scrub = _unchanged
-    if redactor.needed_in(_message_strings(messages), tools_text, parts.metadata, parts.record_id):
+    scenario, expected = parts.scenario, parts.expected_actions
+    group = _group(record, cfg.group_by)
+    if redactor.needed_in(_message_strings(messages), tools_text, parts.metadata, parts.record_id, scenario,
+                          expected, group):
         scrub = redactor.value
         messages, tools = scrub(messages), scrub(tools)
         tools_text = _tools_text(tools)
+        scenario, expected, group = scrub(scenario), scrub(expected), scrub(group)
     metadata = scrub(parts.metadata)  # keeps the record's time field as it was, redacted like the rest
     # collected_at holds a time or nothing: text that is no time may be anything (a name, an address)
     collected_at = parts.time if _ISO_UTC.fullmatch(parts.time) else ""
@@ -232,9 +240,30 @@ def _to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectCon
         "tools": tools_text,
         "outcome": parts.outcome,
         "score": parts.score,
-        "split": split_of(conversation_hash(messages), cfg.heldout_fraction),
+        # every attempt at one scenario in one split, when the records say which (collect.group_by)
+        "split": split_of(group or conversation_hash(messages), cfg.heldout_fraction),
+        "group": group,
+        "scenario": scenario,
+        "expected_actions": "" if expected is None else _JSON_TEXT(expected),
         "metadata": metadata_text,
-    }, messages
+    }, messages, parts.missing + (("group",) if cfg.group_by and not group else ())
+
+
+def _group(record: dict, path: str | None) -> str:
+    """collect.group_by's value in the record, as text; "" when unset or absent (split by the conversation)."""
+    if path is None:
+        return ""
+    value = get_path(record, path)
+    return "" if value in (_MISSING, None, "") else str(value)
+
+
+def unknown_actions(row: dict) -> list[str]:
+    """The expected actions' tools that the trace neither lists nor calls (a label for another agent's tools?)."""
+    if not row["expected_actions"]:
+        return []
+    known = {t["function"]["name"] for t in orjson.loads(row["tools"])}
+    known |= {c["function"]["name"] for m in orjson.loads(row["messages"]) for c in m.get("tool_calls") or []}
+    return sorted({a["name"] for a in orjson.loads(row["expected_actions"])} - known)
 
 
 def _unchanged(value):
@@ -348,6 +377,8 @@ def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
                 tables.append(done.table)
                 bad += done.bad
                 redacted.update(done.redacted)
+                found.missing.update(done.missing)
+                found.warnings += done.warnings
             found.states[label] = reader.state
 
     rows = pa.concat_tables(tables) if tables else _placed(to_arrow([]))
@@ -393,6 +424,8 @@ class _Done:
     bad: list[dict] = field(default_factory=list)
     redacted: Counter = field(default_factory=Counter)
     partial: int = 0
+    missing: Counter = field(default_factory=Counter)  # fields a source names that records lack, by field
+    warnings: list[str] = field(default_factory=list)
 
 
 _WORKER: _Work | None = None  # a worker process's, inherited from the parent when it forks
@@ -417,9 +450,14 @@ def _process(work: _Work, label: str, source: SourceConfig, items: list) -> _Don
         try:
             if isinstance(record, BadRecord):
                 raise record
-            row, messages = _to_trace(record, source, location, cfg, redactor, label)
+            row, messages, missing = _to_trace(record, source, location, cfg, redactor, label)
             rows.append(row)
             parsed[id(row)] = messages
+            done.missing.update(missing)
+            unknown = unknown_actions(row)
+            if unknown:
+                done.warnings.append(f"{location}: expected actions name tools the trace never saw: "
+                                     f"{', '.join(unknown)}")
         except PartialTurn:
             done.partial += 1
         except BadRecord as why:

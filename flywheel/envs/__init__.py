@@ -114,7 +114,7 @@ def load_environment(cfg, root: str | Path, pipeline: str | None = None) -> Envi
 
     base = None if cfg.name == "replay" else get_environment(cfg.name, factory=cfg.factory, args=cfg.args, root=root)
     table = Catalog(Path(root).resolve(), pipeline).table_path("tasks") if pipeline else None
-    return replay.build(cfg.replay, base, Path(root).resolve(), table)
+    return replay.build(cfg.replay, base, Path(root).resolve(), table, cfg.user)
 
 
 def environment_sources(cfg, root: str | Path) -> list[Path]:

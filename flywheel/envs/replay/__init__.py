@@ -1,10 +1,14 @@
 """Replay: an agent's accepted traces become verifiable tasks, with no environment written for them.
 
-Each accepted trace is a task (record.py): the prompt is the conversation up to its first user turn, the tools
-are the trace's schemas (or ones inferred from its calls). When the model calls a tool, the recorded result of
-the matching recorded call answers (matching.py: the same tool, the same arguments once normalised, free text
-by word overlap); a call that was never recorded gets "not available in replay: ..." and is counted. The rubric
-(rubric.py) is the accepted outcome: the same writes, the answer's facts, optionally a judge.
+Each accepted trace is a task (record.py): a whole conversation. The prompt is the conversation up to its first
+user turn; after each of the agent's answers a user simulator speaks (environment.user): `replay` (the
+default) gives the recorded user turns in order and ends the conversation when they run out; `openai` has an
+LLM play the user from the record's scenario (or one written once from the recorded conversation); `none`
+ends it at the first answer. The tools are the trace's schemas (or ones inferred from its calls). When the
+model calls a tool, the recorded result of the matching recorded call answers (matching.py: the same tool, the
+same arguments once normalised, free text by word overlap); a call that was never recorded gets "not available
+in replay: ..." and is counted. The rubric (rubric.py) is the accepted outcome over the whole conversation:
+the same writes (or the record's expected actions), the answers' facts, optionally a judge.
 
 pipelines.yaml: `environment: {name: replay}` alone, or `replay: {...}` beside another environment, whose
 verifiable traces stay its own. Replay cannot check what the record does not show: a write with other
@@ -16,20 +20,21 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from flywheel.config import ReplayConfig
-from flywheel.contract import Environment, Score, Task, ToolError, prompt_hash, split_of
+from flywheel.config import ReplayConfig, UserConfig
+from flywheel.contract import Environment, Score, Task, ToolError, UserError, prompt_hash, split_of
 from flywheel.envs.replay.matching import Call, Matcher, describe
-from flywheel.envs.replay.record import UnusableRecord, infer_tools, read_record
+from flywheel.envs.replay.record import Record, UnusableRecord, infer_tools, read_record
 from flywheel.envs.replay.rubric import (
     JUDGE_TEMPLATE,
+    answers,
     combine,
-    exchange,
     facts_stated,
-    final_answer,
     model_calls,
+    scored_part,
+    wanted_writes,
     writes_made,
 )
 
@@ -42,6 +47,7 @@ class ReplayState:
 
     matcher: Matcher
     unmatched: list[str] = field(default_factory=list)
+    said: int = 0  # the recorded user turns given so far (the replay user)
 
 
 @dataclass
@@ -55,9 +61,13 @@ class ReplayEnv(Environment):
     """Tasks from traces, tools served from their record, the accepted outcome as the rubric; optionally beside
     a `base` environment that keeps the traces it can verify and the tasks it generates."""
 
+    _runtime_fields = (*Environment._runtime_fields, "_llm_user")  # an HTTP client: built again where used
+
     def __init__(self, cfg: ReplayConfig | None = None, base: Environment | None = None,
-                 tasks_table: Path | None = None, root: Path | None = None):
+                 tasks_table: Path | None = None, root: Path | None = None, user: UserConfig | None = None):
         self.cfg = cfg or ReplayConfig()
+        self.user = user or UserConfig()
+        self.root = Path(root or ".")
         self.base = base
         self.name = NAME if base is None else f"{base.name}+{NAME}"
         self.tasks_table = tasks_table  # the pipeline's tasks: what tools() offers (read on first use)
@@ -76,10 +86,20 @@ class ReplayEnv(Environment):
     def _init_runtime(self) -> None:
         super()._init_runtime()
         self._counts = {"tool_calls": 0, "replay_served": 0, "replay_unmatched": 0}
+        self._llm_user = None
 
     def counter_parts(self) -> list:
-        """The base environment and the judge: their counters join the calls served and unmatched here."""
-        return [part for part in (self.base, self._judge) if part is not None]
+        """The base environment, the judge and the LLM user: their counters join the calls served here."""
+        return [part for part in (self.base, self._judge, self._llm_user) if part is not None]
+
+    def llm_user(self):
+        """The LLM that plays the user (environment.user: openai), built on first use in this process."""
+        with self._lock:
+            if self._llm_user is None:
+                from flywheel.envs.users import LLMUser
+
+                self._llm_user = LLMUser.from_config(self.user, self.root)
+            return self._llm_user
 
     # --- tasks
 
@@ -130,22 +150,41 @@ class ReplayEnv(Environment):
         if outcome not in ("accepted", "rejected") or (outcome == "rejected" and self.cfg.rejected != "eval"):
             return None  # an unknown outcome is no target; a rejected one never is
         try:
-            record = read_record(messages)
+            record = read_record(messages, whole=self.user.kind != "none")
         except UnusableRecord:
             return None
+        expected = _json(trace.get("expected_actions") or "null")
+        expected = None if expected is None else [[a["name"], a["arguments"]] for a in expected]
         tools = _json(trace.get("tools") or "[]") or infer_tools(record.calls)
         source = trace.get("source") or "traces"
         data = {"source": source, "outcome": outcome, "tools": tools, "target": record.target,
-                "calls": [[c.name, c.arguments, c.result] for c in record.calls], "final": record.final,
-                "facts": record.facts}
+                "calls": [[c.name, c.arguments, c.result] for c in record.calls], "answers": record.answers,
+                "facts": record.facts, "whole": self.user.kind != "none", "users": record.users,
+                "expected": expected, **self._scenario(trace.get("scenario") or "", messages, record)}
+        task = Task(task_id=prompt_hash(record.prompt), env=NAME, prompt=record.prompt,
+                    answer=json.dumps(data, ensure_ascii=False, sort_keys=True), slice=f"{NAME}/{source}",
+                    split=trace.get("split") or "train", group=trace.get("group") or "")
+        if not wanted_writes(task, self._reads) and not record.facts and self._judge is None:
+            return None  # nothing the rubric could check: an empty answer would pass it
         with self._lock:
             for schema in tools:
                 self._made.setdefault(schema["function"]["name"], schema)
-        rejected = outcome == "rejected"
-        return Task(task_id=prompt_hash(record.prompt), env=NAME, prompt=record.prompt,
-                    answer=json.dumps(data, ensure_ascii=False, sort_keys=True),
-                    slice=f"{NAME}-rejected/{source}" if rejected else f"{NAME}/{source}",
-                    split="heldout" if rejected else trace.get("split") or "train")
+        if outcome == "rejected":
+            return replace(task, slice=f"{NAME}-rejected/{source}", split="heldout")
+        return task
+
+    def _scenario(self, given: str, messages: list[dict], record: Record) -> dict:
+        """The user's goal for an LLM user: the record's, else one the user's model writes once from the recorded
+        conversation (cached), else the recorded user turns themselves; `scenario_by` says which."""
+        if given or self.user.kind != "openai":
+            return {"scenario": given, "scenario_by": "record" if given else ""}
+        try:
+            return {"scenario": self.llm_user().write_scenario(messages), "scenario_by": "written"}
+        except UserError:
+            self.count("scenarios_unwritten")
+            said = [m["content"] for m in [*record.prompt, *record.users] if m.get("role") == "user"]
+            return {"scenario": "Say, in turn, when the assistant answers: " + " | ".join(said),
+                    "scenario_by": "recorded turns"}
 
     # --- episodes
 
@@ -183,22 +222,40 @@ class ReplayEnv(Environment):
         raise ToolError(f"not available in replay: {describe(name, arguments)} was not recorded for this "
                         "conversation (no recorded call has these arguments)")
 
+    def user_turn(self, task: Task, messages: list[dict], state: object = None) -> dict | None:
+        """The base environment's user for its tasks; for a whole replay conversation the next recorded user
+        turn (none left: it ends), or the LLM user's reply (environment.user: openai)."""
+        if isinstance(state, BaseState):
+            return self.base.user_turn(task, messages, state.inner)
+        if not isinstance(state, ReplayState) or self.user.kind == "none" or not task.data.get("whole"):
+            return None
+        if self.user.kind == "openai":
+            return self.llm_user().reply(task.data["scenario"], messages)
+        users = task.data["users"]
+        if state.said >= len(users):
+            return None
+        state.said += 1
+        return dict(users[state.said - 1])
+
     def score(self, task: Task, messages: list[dict], state: object = None) -> Score:
-        """The base environment's rubric for its tasks; for replay tasks: writes, facts and the optional judge."""
+        """The base environment's rubric for its tasks; for replay tasks: writes, facts and the optional judge,
+        each part weighed only where there is something to check (rubric.py)."""
         if task.env != NAME:
             return self.base.score(task, messages, state.inner if isinstance(state, BaseState) else state)
         data = task.data
-        recorded = [Call(name, arguments, result) for name, arguments, result in data["calls"][:data["target"]]]
-        answer = final_answer(task, messages)
-        parts = {"writes": writes_made(recorded, model_calls(task, messages), self._reads, self.cfg.fuzzy),
-                 "facts": facts_stated(data["facts"], answer)}
-        weights = {"writes": self.cfg.writes_weight, "facts": self.cfg.facts_weight}
+        wanted, made = wanted_writes(task, self._reads), model_calls(task, messages)
+        said = answers(task, messages)
+        parts, weights = {}, {}
+        if wanted or any(not self._reads.match(name) for name, _ in made):
+            parts["writes"] = writes_made(wanted, made, self._reads, self.cfg.fuzzy)
+            weights["writes"] = self.cfg.writes_weight
+        if data["facts"]:
+            parts["facts"] = facts_stated(data["facts"], said)
+            weights["facts"] = self.cfg.facts_weight
         if self._judge is not None:
-            # the judge sees the exchange the rubric scores: a recorded conversation goes on after its first
-            # answer, and the judge's {final} (the last assistant message) would otherwise be a later one
-            reference = Task(task.task_id, task.env, task.prompt, json.dumps(data["final"]), task.slice, task.split)
-            scored = task.prompt + exchange(task, messages)
-            parts["judge"] = float(self._judge(reference, scored)) if answer is not None else 0.0
+            # the judge sees the part the rubric scores, beside the accepted answers
+            reference = Task(task.task_id, task.env, task.prompt, json.dumps(data["answers"]), task.slice, task.split)
+            parts["judge"] = float(self._judge(reference, task.prompt + scored_part(task, messages))) if said else 0.0
             weights["judge"] = self.cfg.judge.weight
         return combine(parts, weights, inverted=data["outcome"] == "rejected")
 
@@ -220,9 +277,11 @@ def make_env(**options) -> ReplayEnv:
     return ReplayEnv(ReplayConfig(**options))
 
 
-def build(cfg: ReplayConfig, base: Environment | None, root: Path, tasks_table: Path | None) -> ReplayEnv:
-    """The replay environment of a pipeline: over `base` (None: replay alone), its tools from `tasks_table`."""
-    return ReplayEnv(cfg, base, tasks_table, root)
+def build(cfg: ReplayConfig, base: Environment | None, root: Path, tasks_table: Path | None,
+          user: UserConfig | None = None) -> ReplayEnv:
+    """The replay environment of a pipeline: over `base` (None: replay alone), its tools from `tasks_table`,
+    its user simulator `user` (environment.user)."""
+    return ReplayEnv(cfg, base, tasks_table, root, user)
 
 
 ENVIRONMENT = make_env

@@ -1,8 +1,11 @@
-"""What a recorded conversation holds for replay: its prompt, its tool calls with their results, its answer.
+"""What a recorded conversation holds for replay: its prompt, the user's later turns, the tool calls with their
+results, and the agent's answers.
 
-The task is the conversation's first exchange: the prompt is everything up to the first user turn (a run of
-user messages counts as one turn), the target is what the assistant did until its first answer (the calls it
-made, the answer it gave). Every recorded call of the conversation, later ones too, can answer the model.
+The task is the whole conversation: the prompt is everything up to the first user turn (a run of user messages
+counts as one turn), then the agent and the user take turns. The target is everything the agent did: every
+call it made in every turn (the rubric requires the writes among them) and every answer (the facts they state
+that tool results told it). Read as a single exchange (`whole=False`, no simulated user), the target ends at
+the agent's first answer. Every recorded call of the conversation can answer the model either way.
 """
 
 from __future__ import annotations
@@ -37,14 +40,15 @@ def call_arguments(call: dict) -> dict | None:
 class Record:
     prompt: list[dict]
     calls: list[Call]  # every recorded call, in order
-    target: int  # how many of them the assistant made before its first answer
-    final: str  # that answer ("" when the conversation has none)
+    users: list[dict]  # the user's turns after the prompt, in order (a run of user messages joined as one)
+    answers: list[str]  # the agent's answers (assistant messages without tool calls) in the target, in order
+    target: int  # how many of the calls the target holds (all of them for a whole conversation)
+    facts: list[str]  # what the answers state that an earlier tool result told the agent, each once, in order
 
     @property
-    def facts(self) -> list[str]:
-        """The facts of the answer that came from the target's tool results, each once, in answer order."""
-        found = facts_in(" ".join(c.result for c in self.calls[:self.target]))
-        return list(dict.fromkeys(f for f in fact_list(self.final) if f in found))
+    def final(self) -> str:
+        """The target's last answer ("" when there is none)."""
+        return self.answers[-1] if self.answers else ""
 
 
 def fact_list(text: str) -> list[str]:
@@ -61,8 +65,8 @@ def facts_in(text: str) -> set[str]:
     return set(fact_list(text))
 
 
-def read_record(messages: list[dict]) -> Record:
-    """The prompt, the calls with their results, the target and the answer of a normalised conversation."""
+def read_record(messages: list[dict], whole: bool = True) -> Record:
+    """The prompt, user turns, calls, target, answers and facts of a normalised conversation (see the module)."""
     start = opening(messages)
     if start is None:
         raise UnusableRecord("the conversation has no user message")
@@ -70,8 +74,12 @@ def read_record(messages: list[dict]) -> Record:
     while end < len(messages) and messages[end].get("role") == "user":
         end += 1
     calls: list[Call] = []
+    users: list[dict] = []
+    answers: list[str] = []
+    facts: dict[str, None] = {}
     pending: dict[str, tuple[str, dict]] = {}  # call id -> the call, for the latest assistant turn only
-    target, final = None, ""
+    target = None  # set where the target ends (whole: after the last message)
+    previous = None
     for i, message in enumerate(messages[end:], end):
         role = message.get("role")
         if role == "assistant":
@@ -84,15 +92,27 @@ def read_record(messages: list[dict]) -> Record:
                                          "not a JSON object")
                 pending[call.get("id")] = (fn["name"], arguments)
             if not message.get("tool_calls") and target is None:
-                target, final = len(calls), _text(message.get("content"))
+                answer = _text(message.get("content"))
+                answers.append(answer)
+                told = facts_in(" ".join(c.result for c in calls))
+                facts.update(dict.fromkeys(f for f in fact_list(answer) if f in told))
+                if not whole:
+                    target = len(calls)
         elif role == "tool":
             if message.get("tool_call_id") not in pending:
                 raise UnusableRecord(f"message {i}: a tool result without its call")
             name, arguments = pending.pop(message["tool_call_id"])
             calls.append(Call(name, arguments, _text(message.get("content"))))
-        elif role == "user" and target is None:
-            target = len(calls)  # the user spoke again before any answer: the exchange ends there
-    return Record(messages[:end], calls, len(calls) if target is None else target, final)
+        elif role == "user":
+            if not whole and target is None:
+                target = len(calls)  # the user spoke again before any answer: the exchange ends there
+            if whole:
+                if previous == "user":  # a run of user messages is one turn
+                    users[-1] = {"role": "user", "content": users[-1]["content"] + "\n" + _text(message.get("content"))}
+                else:
+                    users.append({"role": "user", "content": _text(message.get("content"))})
+        previous = role
+    return Record(messages[:end], calls, users, answers, len(calls) if target is None else target, list(facts))
 
 
 def _text(content) -> str:

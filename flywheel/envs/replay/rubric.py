@@ -1,10 +1,16 @@
 """The replay rubric, from the accepted outcome: the same writes, the same facts, optionally a judge's verdict.
 
-- writes: every recorded state-changing call of the target (tools whose names do not match `reads`) was made
-  with matching arguments, none missing and none extra (order free): 1, else 0;
-- facts: the share of the accepted answer's facts that came from tool results (numbers, ids, dates, amounts)
-  which the model's final answer states; 1 when there are none and the model answered;
-- judge (optional): a model's verdict comparing the final answer with the accepted one.
+Over the whole conversation (every turn of the agent's), or its first exchange when the task is single-turn:
+- writes: the target's state-changing calls (tools whose names do not match `reads`), or the record's expected
+  actions where it has them (the label's own ground truth), were made with matching arguments, none missing and
+  none extra (order free): 1, else 0;
+- facts: the share of the facts the accepted answers stated that tool results had told the agent (numbers,
+  ids, dates, amounts) which the model's answers state;
+- judge (optional): a model's verdict comparing the conversation with the accepted one.
+
+A part with nothing to check is left out of the reward (an empty answer must not score for it): writes when
+the target has none and the model made none, facts when the accepted answers state none. A record with
+neither is no task at all (ReplayEnv.task_from_trace).
 """
 
 from __future__ import annotations
@@ -15,23 +21,27 @@ from flywheel.contract import Score, Task
 from flywheel.envs.replay.matching import Call, Matcher
 from flywheel.envs.replay.record import call_arguments, facts_in
 
-JUDGE_TEMPLATE = """You compare an assistant's answer with a reference answer that the user accepted.
+JUDGE_TEMPLATE = """You compare an assistant's conversation with a customer against one the customer accepted.
 
-The user asked: {prompt}
-Reference answer: {answer}
-Assistant's answer: {final}
+The customer's first message: {prompt}
+The accepted assistant's answers, in order: {answer}
 
-Does the assistant's answer give the same outcome and the same information as the reference? Reply with a
-short reason, then a last line `SCORE: x` where x is 1 (same), 0 (different or missing) or in between."""
+The conversation to judge:
+{conversation}
+
+Does the assistant reach the same outcome and give the customer the same information as the accepted answers?
+Reply with a short reason, then a last line `SCORE: x` where x is 1 (same), 0 (different or missing) or in
+between."""
 
 
-def exchange(task: Task, messages: list[dict]) -> list[dict]:
-    """The first exchange after the prompt: up to the assistant's first answer, or to the user's next message.
-
-    An episode ends at its first answer; a recorded conversation scored whole is judged on the same part.
-    """
+def scored_part(task: Task, messages: list[dict]) -> list[dict]:
+    """What the rubric scores after the prompt: every message of a whole conversation; of a single exchange, up
+    to the assistant's first answer or the user's next message (a recorded conversation goes on after it)."""
+    after = messages[len(task.prompt):]
+    if task.data.get("whole"):
+        return after
     out = []
-    for message in messages[len(task.prompt):]:
+    for message in after:
         if message.get("role") == "user":
             break
         out.append(message)
@@ -41,9 +51,9 @@ def exchange(task: Task, messages: list[dict]) -> list[dict]:
 
 
 def model_calls(task: Task, messages: list[dict]) -> list[tuple[str, dict | None]]:
-    """The calls the model made in its exchange: (name, arguments; None when they are not a JSON object)."""
+    """The calls the model made in the scored part: (name, arguments; None when they are not a JSON object)."""
     calls = []
-    for message in exchange(task, messages):
+    for message in scored_part(task, messages):
         if message.get("role") != "assistant":
             continue
         for call in message.get("tool_calls") or []:
@@ -51,18 +61,24 @@ def model_calls(task: Task, messages: list[dict]) -> list[tuple[str, dict | None
     return calls
 
 
-def final_answer(task: Task, messages: list[dict]) -> str | None:
-    """The model's answer: the assistant message without tool calls that ends its exchange; None if none."""
-    part = exchange(task, messages)
-    last = part[-1] if part else {}
-    if last.get("role") != "assistant" or last.get("tool_calls"):
-        return None
-    return last.get("content") or ""
+def answers(task: Task, messages: list[dict]) -> list[str]:
+    """The model's answers in the scored part: its assistant messages without tool calls."""
+    return [m.get("content") or "" for m in scored_part(task, messages)
+            if m.get("role") == "assistant" and not m.get("tool_calls")]
 
 
-def writes_made(recorded: list[Call], made: list[tuple[str, dict | None]], reads: re.Pattern, fuzzy: float) -> float:
-    """1 when the model's writes are the recorded writes, each matched once (order free), else 0."""
-    wanted = [c for c in recorded if not reads.match(c.name)]
+def wanted_writes(task: Task, reads: re.Pattern) -> list[Call]:
+    """The writes the task requires: its expected actions where the record has them, else the target's writes."""
+    data = task.data
+    if data.get("expected") is not None:
+        wanted = [Call(name, arguments, "") for name, arguments in data["expected"]]
+    else:
+        wanted = [Call(name, arguments, result) for name, arguments, result in data["calls"][:data["target"]]]
+    return [c for c in wanted if not reads.match(c.name)]
+
+
+def writes_made(wanted: list[Call], made: list[tuple[str, dict | None]], reads: re.Pattern, fuzzy: float) -> float:
+    """1 when the model's writes are the wanted writes, each matched once (order free), else 0."""
     writes = [(name, arguments) for name, arguments in made if not reads.match(name)]
     if len(writes) != len(wanted):
         return 0.0
@@ -75,13 +91,11 @@ def writes_made(recorded: list[Call], made: list[tuple[str, dict | None]], reads
     return 1.0
 
 
-def facts_stated(required: list[str], answer: str | None) -> float:
-    """The share of the required facts the answer states; an answer with nothing required scores 1."""
-    if answer is None:
+def facts_stated(required: list[str], said: list[str]) -> float:
+    """The share of the required facts the model's answers state together; 0 without an answer."""
+    if not said:
         return 0.0
-    if not required:
-        return 1.0
-    stated = facts_in(answer)
+    stated = facts_in("\n".join(said))
     return sum(f in stated for f in required) / len(required)
 
 
@@ -89,7 +103,7 @@ def combine(parts: dict[str, float], weights: dict[str, float], inverted: bool) 
     """The weighted reward; passed when every weighted part is 1. Inverted (a rejected trace, eval only): the
     reward is 1 minus it, passed when the model did not repeat the rejected outcome in full."""
     total = sum(weights.values())
-    reward = sum(weights[k] * parts[k] for k in weights) / total
+    reward = sum(weights[k] * parts[k] for k in weights) / total if total > 0 else 0.0
     if inverted:
         return Score(reward=1.0 - reward, passed=reward < 1.0 - 1e-9, breakdown=parts)
-    return Score(reward=min(1.0, reward), passed=reward >= 1.0 - 1e-9, breakdown=parts)
+    return Score(reward=min(1.0, reward), passed=total > 0 and reward >= 1.0 - 1e-9, breakdown=parts)
