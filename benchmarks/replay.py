@@ -1,14 +1,20 @@
-"""Replay's speed, and whether its matcher answers every recorded call when the recorded conversation is replayed.
+"""Replay's speed, and whether its whole-conversation rubric tells the recorded agent from one that does nothing.
 
-    .venv/bin/python benchmarks/replay.py [--traces 400] [--quick]
+    .venv/bin/python benchmarks/replay.py [--traces 300] [--quick]
 
-Builds replay tasks from a banking agent's conversations (examples/agent_traces.py, normalised as collect
-stores them), then runs each task through the one harness (flywheel.agent.run_episodes) with a policy that
-says exactly what the recorded assistant said: every tool call is answered by the replay environment and the
-rubric scores the episode. `answered` is the share of the recorded calls whose served result is the recorded
-one, every call of every conversation replayed in order (must be 1.0; `answered_in_episodes`: the same for
-the calls the episodes made); `reward_mean` is the rubric's mean over those episodes (1.0: each accepted
-trace passes its own rubric). The last line is one JSON object. `--quick` uses 60 traces, in seconds.
+Builds replay tasks from a banking agent's multi-turn conversations (examples/agent_traces.py: 3 attempts per
+scenario, a 0/1 reward, the scenario's expected actions; normalised as collect stores them), then runs each
+accepted one through the one harness (flywheel.agent.run_episodes) with the replay user (the recorded user
+turns, one after each answer) and three policies:
+
+- recorded: says exactly what the recorded agent said, turn by turn (must score 1.0: every accepted
+  conversation passes its own rubric);
+- null: an empty answer, no tool call (must score ~0: the rubric must not pay for doing nothing);
+- id-only: asks for the member number after every user turn and does nothing else (~0: a real agent's first
+  answer is that question, so a rubric that stops at the first answer pays it in full).
+
+`answered` is the share of the recorded calls whose served result is the recorded one, every call of every
+conversation replayed in order (must be 1.0). The last line is one JSON object. `--quick`: 60 traces.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from flywheel.policies.base import Completion
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from agent_traces import records  # noqa: E402
 
+ASK_ID = "Could you give me your member number, please?"
+
 
 class Recorded:
     """A policy that gives each conversation's next recorded assistant turn (the recorded agent itself)."""
@@ -43,46 +51,69 @@ class Recorded:
         return out
 
 
+class Says:
+    """A policy that answers every turn with one fixed text and never calls a tool."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def generate(self, conversations: list[list[dict]], tools: list[dict], sampling, **_) -> list[Completion]:
+        return [Completion(message={"role": "assistant", "content": self.text}) for _ in conversations]
+
+
+def trace_row(record: dict) -> dict:
+    """A record as the traces table holds it (the fields pipelines.yaml's `replay` pipeline maps)."""
+    return {"messages": normalise_messages(record["messages"]), "tools": record["tools"],
+            "outcome": "accepted" if record["reward"] >= 1.0 else "rejected", "source": "bank", "split": "train",
+            "group": record["task_id"], "scenario": record["info"]["user_goal"],
+            "expected_actions": json.dumps(record["info"]["expected_actions"])}
+
+
+def scores(episodes) -> dict:
+    return {"reward_mean": round(sum(e.reward for e in episodes) / len(episodes), 4),
+            "pass_rate": round(sum(e.passed for e in episodes) / len(episodes), 4)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", type=int, default=400)
+    parser.add_argument("--traces", type=int, default=300)
     parser.add_argument("--quick", action="store_true", help="60 traces (what the tests run)")
     args = parser.parse_args()
     n = 60 if args.quick else args.traces
 
     env = ReplayEnv()
     tasks, turns = [], {}
-    for record in records(n, rejected_every=0):
-        messages = normalise_messages(record["messages"])
-        task = env.task_from_trace({"messages": messages, "tools": record["tools"], "outcome": "accepted",
-                                    "source": "bank", "split": "train"})
+    for record in records(n):
+        trace = trace_row(record)
+        task = env.task_from_trace(trace)
+        if task is None or trace["outcome"] != "accepted" or task.prompt[-1]["content"] in turns:
+            continue  # one opening, one task, as in the tasks table ("Hi, my balances?" opens several)
         tasks.append(task)
-        turns[task.prompt[-1]["content"]] = [m for m in messages if m["role"] == "assistant"]
+        turns[task.prompt[-1]["content"]] = [m for m in trace["messages"] if m["role"] == "assistant"]
+    longest = max(len(t) for t in turns.values())
 
     started = time.perf_counter()
-    episodes = run_episodes(env, Recorded(turns), tasks, max_turns=16)
+    recorded = run_episodes(env, Recorded(turns), tasks, max_turns=longest + 1)
     seconds = time.perf_counter() - started
+    null = run_episodes(env, Says(""), tasks, max_turns=longest + 1)
+    ask_id = run_episodes(env, Says(ASK_ID), tasks, max_turns=longest + 1)
 
-    in_episodes = served_in_episodes = 0
-    for episode in episodes:
-        calls = episode.task.data["calls"][:episode.task.data["target"]]
-        results = [m["content"] for m in episode.messages[len(episode.task.prompt):] if m["role"] == "tool"]
-        in_episodes += len(calls)
-        served_in_episodes += sum(got == call[2] for got, call in zip(results, calls, strict=False))
-    # every recorded call of every conversation (later requests too), in recorded order, straight to the matcher
-    recorded = served = 0
+    # every recorded call of every conversation, in recorded order, straight to the matcher
+    calls = served = 0
     for task in tasks:
         state = env.start(task)
         for name, arguments, result in task.data["calls"]:
-            recorded += 1
+            calls += 1
             served += env.call_tool(name, arguments, state) == result
         env.finish(state)
-    line = {"traces": len(tasks), "recorded_calls": recorded, "answered": round(served / max(recorded, 1), 6),
-            "answered_in_episodes": round(served_in_episodes / max(in_episodes, 1), 6),
-            "unmatched": env.counters["replay_unmatched"],
-            "reward_mean": round(sum(e.reward for e in episodes) / len(episodes), 6),
-            "episodes_per_s": round(len(episodes) / seconds, 1)}
-    print(f"{len(episodes)} replay episodes in {seconds:.2f}s; {served}/{recorded} recorded calls answered")
+    user_turns = sum(len(t.data["users"]) for t in tasks)
+    line = {"traces": n, "tasks": len(tasks), "user_turns": user_turns, "recorded_calls": calls,
+            "answered": round(served / max(calls, 1), 6), "unmatched": env.counters["replay_unmatched"],
+            "recorded": scores(recorded), "null": scores(null), "id_only": scores(ask_id),
+            "episodes_per_s": round(len(recorded) / seconds, 1),
+            "messages_per_episode": round(sum(len(e.messages) for e in recorded) / len(recorded), 1)}
+    print(f"{len(recorded)} whole conversations ({user_turns} replayed user turns) in {seconds:.2f}s; "
+          f"{served}/{calls} recorded calls answered")
     print(json.dumps(line))
 
 

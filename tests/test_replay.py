@@ -11,34 +11,41 @@ import pytest
 import yaml
 
 from flywheel.agent import call_tool, run_episodes
-from flywheel.config import ConfigError, ReplayConfig, load_pipeline, load_pipelines
-from flywheel.contract import ToolError, prompt_hash
+from flywheel.config import ConfigError, ReplayConfig, UserConfig, load_pipeline, load_pipelines
+from flywheel.contract import ToolError, conversation_hash, prompt_hash
 from flywheel.data.catalog import Catalog
 from flywheel.envs import load_environment
 from flywheel.envs.replay import ReplayEnv
+from flywheel.policies.base import Completion
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
 from agent_traces import TOOLS, records  # noqa: E402
 
-N_LABELLED, N_SCORED = 36, 6
+N_LABELLED, N_SCORED = 36, 9  # 12 scenarios of 3 attempts with their labels; 3 more with a score only
+ASK_ID = "Could you give me your member number, please?"
+FIELDS = {"id": ["task_id", "trial"], "score": "reward", "scenario": "info.user_goal",
+          "expected_actions": "info.expected_actions"}
 
 
 def pipeline(base_url: str = "http://127.0.0.1:9/v1", **environment) -> dict:
-    """A replay pipeline over two sources: outcome labels with schemas, 0/1 scores without schemas."""
-    return {"environment": {"name": "replay", "max_turns": 8, **environment},
+    """A replay pipeline over two sources: a benchmark's logs with scenarios and expected actions (mapped), and
+    0/1 scores without schemas, scenarios or expected actions."""
+    return {"environment": {"name": "replay", "max_turns": 24, **environment},
             "student": {"model": "tiny", "tiny": {"hidden_size": 32, "layers": 1, "heads": 2, "vocab_size": 400,
-                                                  "max_position_embeddings": 1024}},
+                                                  "max_position_embeddings": 4096}},
             "teacher": {"policy": "openai", "model": "replayer", "base_url": base_url, "timeout_s": 10.0,
                         "max_retries": 1},
-            "collect": {"sources": [{"name": "bank", "path": ["traces/bank/*.jsonl"]},
+            "collect": {"sources": [{"name": "bank", "path": ["traces/bank/*.jsonl"], "fields": FIELDS,
+                                     "outcome": {"score_threshold": 1.0}},
                                     {"name": "scored", "path": ["traces/scored/*.jsonl"],
+                                     "fields": {"id": ["task_id", "trial"], "score": "reward"},
                                      "outcome": {"score_threshold": 0.5}}],
-                        "heldout_fraction": 0.25},
+                        "group_by": "task_id", "heldout_fraction": 0.25},
             "synthesize": {"max_new_tokens": 256},
-            "sft": {"steps": 4, "batch_size": 4, "lr": 3.0e-3, "warmup_steps": 0, "max_length": 1024,
+            "sft": {"steps": 4, "batch_size": 4, "lr": 3.0e-3, "warmup_steps": 0, "max_length": 4096,
                     "eval_fraction": 0.0},
-            "rl": {"steps": 1, "tasks_per_step": 2, "group_size": 2, "max_new_tokens": 8, "max_length": 1024,
+            "rl": {"steps": 1, "tasks_per_step": 2, "group_size": 2, "max_new_tokens": 8, "max_length": 4096,
                    "actors": 0, "max_staleness": 0, "checkpoint_every": 0, "epochs_per_batch": 1},
             "evaluate": {"batch_size": 16},
             "gate": {"min_score": 0.0, "mode": "non_inferior", "margin": 1.0, "max_slice_regression": 1.0}}
@@ -49,12 +56,13 @@ def write_project(root: Path, config: dict) -> None:
     labelled = records(N_LABELLED, seed=0)
     scored = []
     for record in records(N_LABELLED + N_SCORED, seed=1)[N_LABELLED:]:  # other customers: other prompts
-        outcome = record.pop("outcome")
         record.pop("tools")  # schemas inferred from the calls
-        scored.append({**record, "score": 1.0 if outcome == "accepted" else 0.0})
-    bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": "", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_0", "content": "?"}], "outcome": "accepted"}
+        record.pop("info")  # no scenario, no expected actions: the recorded turns and writes are the target
+        scored.append(record)
+    bad = {"task_id": "bad", "trial": 0, "reward": 1.0, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "?"}]}
     for folder, rows in (("bank", labelled + [bad]), ("scored", scored)):
         (root / "traces" / folder).mkdir(parents=True, exist_ok=True)
         (root / "traces" / folder / "agent.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -70,14 +78,54 @@ def collected(tmp_path, mlflow_store):
     return tmp_path, collect.fn(pipeline="bank", root=str(tmp_path))
 
 
-def test_the_agent_is_multi_turn_with_reused_call_ids():
-    for record in records(N_LABELLED):
+def recorded_conversations(root: Path) -> dict[str, list[dict]]:
+    """Each collected conversation by its task's id (the prompt hash of its opening)."""
+    return {conversation_hash(json.loads(m)): json.loads(m) for m in Catalog(root, "bank").read("traces")["messages"]}
+
+
+class Recorded:
+    """A policy that says, turn by turn, what the recorded agent said in the conversation the prompt opens."""
+
+    def __init__(self, conversations: dict[str, list[dict]]):
+        self.turns = {key: [m for m in messages if m["role"] == "assistant"] for key, messages in conversations.items()}
+
+    def generate(self, conversations, tools, sampling, **_):
+        out = []
+        for messages in conversations:
+            turns = self.turns[conversation_hash(messages)]
+            done = sum(m["role"] == "assistant" for m in messages)
+            out.append(Completion(message=dict(turns[done]) if done < len(turns) else
+                                  {"role": "assistant", "content": "Goodbye."}))
+        return out
+
+
+class Says:
+    """A policy that answers every turn with one text and never calls a tool."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def generate(self, conversations, tools, sampling, **_):
+        return [Completion(message={"role": "assistant", "content": self.text}) for _ in conversations]
+
+
+def test_the_agent_is_multi_turn_with_attempts_at_each_scenario():
+    written = records(N_LABELLED)
+    for record in written:
         calls = [c for m in record["messages"] for c in m.get("tool_calls") or []]
-        assert 3 <= len(calls) <= 15
+        assert 5 <= len(calls) <= 15
+        assert 3 <= sum(m["role"] == "user" for m in record["messages"]) <= 8
         turns = [m for m in record["messages"] if m.get("tool_calls")]
-        assert len(turns) >= 3 and all(t["tool_calls"][0]["id"] == "call_0" for t in turns), "ids restart"
-    assert len(TOOLS) >= 5
-    assert sum(r["outcome"] == "rejected" for r in records(N_LABELLED)) >= 1
+        assert all(t["tool_calls"][0]["id"] == "call_0" for t in turns), "ids restart"
+        assert record["info"]["user_goal"] and record["info"]["expected_actions"] is not None
+    by_scenario: dict[str, list[dict]] = {}
+    for record in written:
+        by_scenario.setdefault(record["task_id"], []).append(record)
+    assert all(len(attempts) == 3 for attempts in by_scenario.values())
+    for attempts in by_scenario.values():
+        openings = {a["messages"][1]["content"] for a in attempts}
+        assert len(openings) == 3, "each attempt opens in its own words"
+    assert len(TOOLS) >= 5 and sum(r["reward"] == 0.0 for r in written) >= 3
 
 
 def test_every_accepted_trace_is_a_task_in_its_split(collected):
@@ -90,13 +138,14 @@ def test_every_accepted_trace_is_a_task_in_its_split(collected):
     assert (traces["outcome"] == "rejected").sum() >= 2, "rejected traces are never targets"
     assert set(tasks["origin"]) == {"trace"} and set(tasks["env"]) == {"replay"}
     assert set(tasks["slice"]) == {"replay/bank", "replay/scored"}
-    # held-out traces are held-out tasks
-    split_of_prompt = {}
-    for row in accepted.to_dict("records"):
-        messages = json.loads(row["messages"])
-        split_of_prompt[prompt_hash(messages[:2])] = row["split"]
+    # held-out traces are held-out tasks, and every attempt at a scenario is in one split
+    split_of_prompt = {conversation_hash(json.loads(row["messages"])): row["split"]
+                       for row in accepted.to_dict("records")}
     assert {t["task_id"]: t["split"] for t in tasks.to_dict("records")} == split_of_prompt
     assert set(tasks["split"]) == {"train", "heldout"}
+    assert (traces.groupby("group")["split"].nunique() == 1).all() and (tasks["group"] != "").all()
+    assert set(traces["record_id"]) >= {"bank-0:0", "bank-0:1", "bank-0:2"}, "task_id and trial make the id"
+    assert not any(k.startswith("missing_") for k in result.metrics) and result.metrics["warnings"] == 0
     # collect quarantined the call with an empty name under its own kind, and logged the count
     assert list(catalog.read("quarantine")["kind"]) == ["empty_tool_name"]
     assert result.metrics["quarantine_empty_tool_name"] == 1
@@ -113,7 +162,7 @@ def test_a_prompt_another_task_set_has_is_left_out(collected):
     root, _ = collected
     cfg = load_pipeline("bank", root / "pipelines.yaml")
     env = load_environment(cfg.environment, root, "bank")
-    traces = Catalog(root, "bank").read("traces").to_dict("records")
+    traces = [t for t in Catalog(root, "bank").read("traces").to_dict("records") if t["outcome"] == "accepted"]
     first = build_tasks(env, cfg.environment, 0.25, traces)
     again = build_tasks(env, cfg.environment, 0.25, traces[:3], known={prompt_hash(json.loads(first[0]["prompt"]))})
     assert first[0]["task_id"] not in {r["task_id"] for r in again} and len(again) == 2
@@ -162,13 +211,13 @@ def test_tools_are_served_from_the_record_and_unmatched_calls_are_errors(collect
         strict.call_tool("create_ticket", reworded, strict.start(ticket_task))
 
 
-def test_the_rubric_parts(collected):
+def test_the_rubric_scores_every_turn_of_the_whole_conversation(collected):
     root, _ = collected
     cfg = load_pipeline("bank", root / "pipelines.yaml")
     env = load_environment(cfg.environment, root, "bank")
-    traces = {prompt_hash(json.loads(m)[:2]): json.loads(m) for m in Catalog(root, "bank").read("traces")["messages"]}
+    conversations = recorded_conversations(root)
     task, _ = _episode(env)
-    recorded = traces[task.task_id]
+    recorded = conversations[task.task_id]
     assert env.score(task, recorded).breakdown == {"writes": 1.0, "facts": 1.0}
     assert env.score(task, recorded).reward == 1.0 and env.score(task, recorded).passed
 
@@ -179,6 +228,7 @@ def test_the_rubric_parts(collected):
 
     write_at = next(i for i, m in enumerate(recorded) if any(
         c["function"]["name"] == "transfer_funds" for c in m.get("tool_calls") or []))
+    assert sum(m["role"] == "user" for m in recorded[:write_at]) >= 3, "the write comes in the third turn or later"
 
     def wrong_amount(messages):
         call = messages[write_at]["tool_calls"][0]["function"]
@@ -202,55 +252,99 @@ def test_the_rubric_parts(collected):
     for change, writes in ((wrong_amount, 0.0), (no_write, 0.0), (twice, 0.0), (a_read_more, 1.0)):
         assert env.score(task, edited(change)).breakdown["writes"] == writes, change.__name__
     score = env.score(task, edited(vague))
-    assert score.breakdown == {"writes": 1.0, "facts": 0.0} and score.reward == 0.5 and not score.passed
-    assert len(task.data["facts"]) >= 3, task.data["facts"]  # ids, the transfer id and the new balance
-    unanswered = env.score(task, recorded[:answer_at])
-    assert unanswered.breakdown["facts"] == 0.0
+    assert score.breakdown["writes"] == 1.0 and 0.0 < score.breakdown["facts"] < 1.0 and not score.passed
+    assert len(task.data["facts"]) >= 4, task.data["facts"]  # ids, the transfer id, balances, the date
+    assert env.score(task, recorded[:answer_at]).breakdown["facts"] < 1.0, "the answers after it count too"
 
 
-def test_the_judge_part_weighs_in_and_an_unparseable_verdict_scores_zero(collected, openai_server):
+def test_expected_actions_are_the_target_writes_where_the_record_has_them(collected):
+    root, _ = collected
+    cfg = load_pipeline("bank", root / "pipelines.yaml")
+    env = load_environment(cfg.environment, root, "bank")
+    traces = Catalog(root, "bank").read("traces")
+    row = next(r for r in traces.to_dict("records") if r["outcome"] == "accepted" and r["expected_actions"]
+               and "transfer_funds" in r["expected_actions"])
+    messages = json.loads(row["messages"])
+    assert env.score(env.task_from_trace(row, 0.25), messages).breakdown["writes"] == 1.0
+    expected = json.loads(row["expected_actions"])
+    moved = [{**a, "arguments": {**a["arguments"], "amount": a["arguments"]["amount"] + 10}}
+             if a["name"] == "transfer_funds" else a for a in expected]
+    labelled = env.task_from_trace({**row, "expected_actions": json.dumps(moved)}, 0.25)
+    assert env.score(labelled, messages).breakdown["writes"] == 0.0, "the label, not the recording, is the target"
+    # a rejected attempt at the same scenario did one wrong write: against the scenario's label it scores 0
+    rejected = next(r for r in traces.to_dict("records") if r["outcome"] == "rejected" and r["expected_actions"])
+    graded = env.task_from_trace({**rejected, "outcome": "accepted"}, 0.25)
+    assert env.score(graded, json.loads(rejected["messages"])).breakdown["writes"] == 0.0
+    # without expected actions (the scored source) the recorded writes are the target
+    scored = next(t for t in env.recorded_tasks() if t.slice == "replay/scored")
+    assert scored.data["expected"] is None and env.score(scored, recorded_conversations(root)[scored.task_id]).passed
+
+
+def test_replayed_with_the_recorded_user_the_agent_passes_and_doing_nothing_scores_nothing(collected):
+    root, _ = collected
+    cfg = load_pipeline("bank", root / "pipelines.yaml")
+    env = load_environment(cfg.environment, root, "bank")
+    tasks = env.recorded_tasks()
+    episodes = run_episodes(env, Recorded(recorded_conversations(root)), tasks, max_turns=24)
+    assert [e.reward for e in episodes] == [1.0] * len(tasks) and all(e.stop == "answer" for e in episodes)
+    assert env.counters["replay_unmatched"] == 0
+    # the whole conversation went by: every recorded user turn was said, in order
+    for episode in episodes:
+        said = [m["content"] for m in episode.messages[len(episode.task.prompt):] if m["role"] == "user"]
+        assert said == [m["content"] for m in episode.task.data["users"]] and len(said) >= 2
+    for policy in (Says(""), Says(ASK_ID)):
+        nothing = run_episodes(env, policy, tasks, max_turns=24)
+        assert max(e.reward for e in nothing) <= 0.1 and not any(e.passed for e in nothing), policy.text
+        assert all(e.stop == "answer" for e in nothing), "the recorded user ran out of turns: it ended"
+    single = ReplayEnv(tasks_table=env.tasks_table, user=UserConfig(kind="none"))  # the first exchange only
+    (first,) = run_episodes(single, Says(ASK_ID), [tasks[0]], max_turns=24)
+    assert first.turns == 1 and first.stop == "answer"
+
+
+def test_the_judge_part_sees_the_whole_conversation_and_an_unparseable_verdict_scores_zero(collected, openai_server):
     import re
 
     root, _ = collected
     config = pipeline(replay={"judge": {"model": "judge", "base_url": openai_server.url, "weight": 1.0}})
     (root / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"bank": config}}))
     env = load_environment(load_pipeline("bank", root / "pipelines.yaml").environment, root, "bank")
-    traces = {prompt_hash(json.loads(m)[:2]): json.loads(m) for m in Catalog(root, "bank").read("traces")["messages"]}
-    # a transfer whose conversation goes on with a second request: the judge must see the first answer
-    task = next(t for t in env.recorded_tasks() if t.slice == "replay/bank" and any(
-        c[0] == "transfer_funds" for c in t.data["calls"]) and sum(
-        m["role"] == "user" for m in traces[t.task_id]) == 2)
-    recorded = traces[task.task_id]
-    reference = task.data["final"]
+    task, _ = _episode(env)
+    recorded = recorded_conversations(root)[task.task_id]
+    reference = task.data["answers"]
+    write_at = next(i for i, m in enumerate(recorded) if any(
+        c["function"]["name"] == "transfer_funds" for c in m.get("tool_calls") or []))
+    answer_at = next(i for i, m in enumerate(recorded) if i > write_at and m["role"] == "assistant")
 
-    asked = []  # (reference, answer) as the judge read them
+    asked = []  # the accepted answers the judge was shown
 
     def judge(messages):
         prompt = messages[-1]["content"]
-        given = re.search(r"^Reference answer: (.*)$", prompt, re.MULTILINE).group(1)
-        final = re.search(r"^Assistant's answer: (.*)$", prompt, re.MULTILINE).group(1)
-        asked.append((json.loads(given), final))
-        if final == reference:
-            return "Same transfer, same figures.\nSCORE: 1"
-        return "It says less.\nSCORE: 0.25" if final == "Done, the money was moved." else "hard to say"
+        given = json.loads(re.search(r"^The accepted assistant's answers, in order: (.*)$", prompt, re.M).group(1))
+        conversation = prompt.split("The conversation to judge:\n", 1)[1]
+        asked.append(given)
+        if "Done, the money was moved." in conversation:
+            return "It says less.\nSCORE: 0.25"
+        if all(f"assistant: {answer}" in conversation for answer in given):
+            return "Same outcome, same figures.\nSCORE: 1"
+        return "hard to say"
 
     openai_server.judge = judge
-    answer_at = max(i for i, m in enumerate(recorded) if m["role"] == "assistant" and m.get("content") == reference)
 
-    def answered(text: str) -> list[dict]:
-        return recorded[:answer_at] + [{"role": "assistant", "content": text}] + recorded[answer_at + 1:]
+    def answered(at: int, text: str) -> list[dict]:
+        return recorded[:at] + [{"role": "assistant", "content": text}] + recorded[at + 1:]
 
     whole = env.score(task, recorded)
     assert whole.breakdown == {"writes": 1.0, "facts": 1.0, "judge": 1.0} and whole.reward == 1.0 and whole.passed
-    vague = env.score(task, answered("Done, the money was moved."))
-    # (writes 0.5 * 1 + facts 0.5 * 0 + judge 1.0 * 0.25) / 2
-    assert vague.breakdown == {"writes": 1.0, "facts": 0.0, "judge": 0.25} and vague.reward == 0.375
-    unparseable = env.score(task, answered(reference + " Anything else?"))
-    assert unparseable.breakdown == {"writes": 1.0, "facts": 1.0, "judge": 0.0} and unparseable.reward == 0.5
-    assert not unparseable.passed
-    no_answer = env.score(task, recorded[:answer_at])
-    assert no_answer.breakdown["judge"] == 0.0 and no_answer.reward == 0.25
-    assert {given for given, _ in asked} == {reference}
+    vague = env.score(task, answered(answer_at, "Done, the money was moved."))
+    facts = vague.breakdown["facts"]
+    assert vague.breakdown == {"writes": 1.0, "facts": facts, "judge": 0.25} and facts < 1.0
+    assert vague.reward == pytest.approx((0.5 * 1.0 + 0.5 * facts + 1.0 * 0.25) / 2)
+    goodbye = max(i for i, m in enumerate(recorded) if m["role"] == "assistant")
+    unparseable = env.score(task, answered(goodbye, "Bye. Anything else?"))  # the last turn, not the first
+    assert unparseable.breakdown == {"writes": 1.0, "facts": 1.0, "judge": 0.0} and not unparseable.passed
+    nothing = env.score(task, task.prompt)
+    assert nothing.breakdown == {"writes": 0.0, "facts": 0.0, "judge": 0.0} and nothing.reward == 0.0
+    assert asked == [reference] * 3
     counters = env.counters
     assert counters["judge_calls"] == 3 and counters["judge_unparseable"] == 1, counters
     assert openai_server.answers == 3, "no answer, no question to the judge"
@@ -301,7 +395,7 @@ def test_an_openai_teacher_replaying_the_trace_scores_one_and_a_wrong_write_zero
     with OracleServer() as server:
         server.replay = TraceReplayer(conversations)
         teacher = get_policy("openai", model="replayer", base_url=server.url, cache=None)
-        episodes = run_episodes(env, teacher, tasks, max_turns=8)
+        episodes = run_episodes(env, teacher, tasks, max_turns=24)
         assert [e.reward for e in episodes] == [1.0] * len(tasks)
         assert all(e.breakdown == {"writes": 1.0, "facts": 1.0} for e in episodes)
         assert env.counters["replay_unmatched"] == 0
@@ -316,7 +410,7 @@ def test_an_openai_teacher_replaying_the_trace_scores_one_and_a_wrong_write_zero
                         arguments = json.loads(call["function"]["arguments"])
                         call["function"]["arguments"] = json.dumps({**arguments, "amount": arguments["amount"] + 5})
         server.replay = TraceReplayer(wrong)
-        [episode] = run_episodes(env, teacher, [task], max_turns=8)
+        [episode] = run_episodes(env, teacher, [task], max_turns=24)
         teacher.close()
     assert episode.breakdown["writes"] == 0.0 and episode.reward < 1.0
     assert any(m["role"] == "tool" and m["content"].startswith("Error: not available in replay: transfer_funds")
@@ -417,3 +511,36 @@ def test_without_a_teacher_the_accepted_traces_are_the_targets(tmp_path, mlflow_
     (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"bank": config}}))
     with pytest.raises(ConfigError, match="teacher.policy none.*include_accepted_traces: true"):
         load_pipeline("bank", tmp_path / "pipelines.yaml")
+
+
+def test_an_sft_row_from_a_trace_renders_as_rl_and_evaluate_show_its_task(collected, tiny_student):
+    """One harness: the tokens SFT trains on for a trace (logged with no schemas) are the tokens the episode loop
+    feeds for the same task at every turn: the same tools (inferred), system prompt and template."""
+    from transformers import AutoTokenizer
+
+    from flywheel.policies.toolcalls import canonical_messages
+    from flywheel.synthesis import trace_rows
+    from flywheel.train.encoding import encode_conversation
+
+    root, _ = collected
+    cfg = load_pipeline("bank", root / "pipelines.yaml")
+    env = load_environment(cfg.environment, root, "bank")
+    traces = Catalog(root, "bank").read("traces")
+    row = next(r for r in trace_rows(traces, env, set(), 0.25) if r["sample_id"].startswith("trace-")
+               and json.loads(traces.set_index("trace_id").loc[r["sample_id"][6:], "tools"]) == [])
+    assert json.loads(row["tools"]) == env.tools() != [], "the tools RL and evaluate show, not the logged []"
+    task = next(t for t in env.recorded_tasks() if t.task_id == row["task_id"])
+    (episode,) = run_episodes(env, Recorded(recorded_conversations(root)), [task], max_turns=24)
+    assert episode.passed
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_student)
+    ids, _ = encode_conversation(tokenizer, json.loads(row["messages"]), json.loads(row["tools"]), 1 << 20)
+    turns = [i for i, m in enumerate(episode.messages) if m["role"] == "assistant"]
+    assert len(turns) >= 5
+    for turn in turns:  # what HFPolicy feeds at this turn, with the generation prompt
+        fed = tokenizer.apply_chat_template(canonical_messages(episode.messages[:turn]), tools=env.tools(),
+                                            add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert ids[:len(fed["input_ids"])] == list(fed["input_ids"]), f"turn {turn}"
+    logged = tokenizer.apply_chat_template(canonical_messages(task.prompt), tools=None, add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)
+    assert ids[:len(logged["input_ids"])] != list(logged["input_ids"]), "with the logged tools it would differ"

@@ -22,7 +22,7 @@ __all__ = ["Environment", "Score", "Task", "ToolError", "RubricError", "Environm
 
 ENTRY_POINT_GROUP = "flywheel.environments"
 # modules of this package that are parts of environments, not environments
-_PARTS = {"sdk", "judge", "mcp", "verifiers"}
+_PARTS = {"sdk", "judge", "mcp", "verifiers", "users"}
 _BUILTIN_FOLDER = Path(__file__).resolve().parent
 
 

@@ -18,6 +18,20 @@ Tool schemas are generated from each function's signature and docstring, never w
 named `state` receives the episode's state (what `setup(task)` returned) and is not part of the schema. Tools
 run in the harness's tool threads, one call at a time per episode: a state that holds a SQLite connection
 opens it with `check_same_thread=False`. Async tools run on one event loop the environment owns.
+
+A conversation goes on after the agent's answer when the environment has a user (`user=`): a function
+`user(task, messages)` or `user(task, messages, state)` that returns the user's next text (or a message), or None,
+or text holding `###STOP###` (STOP) to end it; or an `LLMUser` (flywheel/envs/users.py), a model playing the
+scenario of the task (its answer's `scenario` field, else its first user message). Without one, the conversation
+ends at the agent's first answer. A user that raises ends the episode as `user_error`, never scored:
+
+    def customer(task: Task, messages: list[dict]) -> str | None:
+        said = messages[-1]["content"].lower()
+        if "order id" in said:
+            return f"It is {task.data['order_id']}."
+        return STOP                          # anything else: the customer is done
+
+    Env(name="shop", ..., user=customer)     # or user=LLMUser(model="gpt-4.1-mini", base_url=...)
 """
 
 from __future__ import annotations
@@ -38,10 +52,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
-from flywheel.contract import Environment, RubricError, Score, Task, ToolError, opening, prompt_hash
+from flywheel.contract import STOP, Environment, RubricError, Score, Task, ToolError, UserError, opening, prompt_hash
 
-__all__ = ["Env", "Reward", "Score", "Task", "ToolError", "SchemaError", "RubricError", "tasks_from_file",
-           "tool_schema", "TaskFile"]
+__all__ = ["Env", "Reward", "Score", "Task", "ToolError", "SchemaError", "RubricError", "UserError", "STOP",
+           "tasks_from_file", "tool_schema", "TaskFile"]
 
 # Set while flywheel.envs resolves a factory: relative task files are read from the project root.
 PROJECT_ROOT: ContextVar[Path | None] = ContextVar("flywheel_project_root", default=None)
@@ -312,7 +326,8 @@ class Env(Environment):
                  rewards: Iterable[Reward | Callable], passed: float | str = 1.0,
                  setup: Callable[[Task], object] | None = None, teardown: Callable[[object], None] | None = None,
                  solver: Callable | None = None, task_from_messages: Callable[[list[dict]], Task | None] | None = None,
-                 tool_sources: Iterable = (), audits: Iterable[Reward | Callable] = ()):
+                 tool_sources: Iterable = (), audits: Iterable[Reward | Callable] = (),
+                 user: Callable | None = None):
         self.name = name
         self._tools = {}
         for fn in tools:
@@ -339,6 +354,11 @@ class Env(Environment):
         self.tool_sources = list(tool_sources)
         self._source_of: dict[str, object] | None = None  # tool name -> its source, listed on first use
         self._by_prompt: dict[str, Task] | None = None  # a task file's tasks by prompt hash, on first use
+        # who answers the agent: a function of (task, messages[, state]), an LLMUser (it has `reply`), or None
+        if user is not None and not callable(user) and not hasattr(user, "reply"):
+            raise TypeError(f"environment '{name}': user must be a function user(task, messages[, state]) or an "
+                            f"LLMUser, not {type(user).__name__}")
+        self.user = user
 
     def _init_runtime(self) -> None:
         super()._init_runtime()
@@ -346,8 +366,9 @@ class Env(Environment):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def counter_parts(self) -> list:
-        """Its reward functions and tool sources: a judge counts its verdicts, an MCP server its calls."""
-        return [r.fn for r in self.rewards] + self.tool_sources
+        """Its reward functions, tool sources and user: a judge counts its verdicts, an MCP server its calls, an
+        LLM user its requests."""
+        return [r.fn for r in self.rewards] + self.tool_sources + ([self.user] if self.user is not None else [])
 
     # --- the environment contract (flywheel/contract.py)
 
@@ -388,6 +409,33 @@ class Env(Environment):
         """Tear the episode's state down (teardown(state))."""
         if self.teardown and state is not None:
             self.teardown(state)
+
+    def user_turn(self, task: Task, messages: list[dict], state: object = None) -> dict | None:
+        """The user's next message after the agent's answer; None when there is no user or it ended the
+        conversation (None, or text holding STOP). A user that fails raises UserError naming this environment."""
+        user = self.user
+        if user is None:
+            return None
+        if hasattr(user, "reply"):  # an LLMUser plays the task's scenario
+            try:
+                return user.reply(_scenario(task), messages)
+            except UserError as err:
+                raise UserError(f"environment '{self.name}', task {task.task_id}: {err}") from None
+        who = getattr(user, "__name__", type(user).__name__)
+        try:
+            said = user(task, messages, state) if _arity(user) >= 3 else user(task, messages)
+        except Exception as err:  # the script's bug: the episode is left out, never the agent's failure
+            raise UserError(f"environment '{self.name}': user '{who}' raised {type(err).__name__}: {err} "
+                            f"(task {task.task_id})") from None
+        if said is None:
+            return None
+        if isinstance(said, dict) and isinstance(said.get("content"), str) and said.get("role", "user") == "user":
+            said = said["content"]
+        if not isinstance(said, str):
+            raise UserError(f"environment '{self.name}': user '{who}' returned {type(said).__name__} "
+                            f"{repr(said)[:60]}; a user returns its text, a user message or None (task "
+                            f"{task.task_id})")
+        return None if STOP in said else {"role": "user", "content": said}
 
     def call_tool(self, name: str, arguments: dict, state: object = None) -> str:
         """Check the arguments against the schema, run the tool in `state`; every failure is a ToolError."""
@@ -509,6 +557,18 @@ class Env(Environment):
             raise NotImplementedError(f"environment '{self.name}' has no scripted solver (Env(solver=...)), so the "
                                       "oracle teacher cannot run in it; use a model teacher (teacher.policy)")
         return self.solver(messages, state) if _arity(self.solver) >= 2 else self.solver(messages)
+
+
+def _scenario(task: Task) -> str:
+    """What an LLM user plays: the task data's `scenario` when it is an object with one, else the first user
+    message of the prompt."""
+    try:
+        data = task.data
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("scenario"), str) and data["scenario"].strip():
+        return data["scenario"]
+    return next((m.get("content") or "" for m in task.prompt if m.get("role") == "user"), "")
 
 
 async def _awaited(awaitable):

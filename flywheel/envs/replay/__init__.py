@@ -25,6 +25,7 @@ from pathlib import Path
 
 from flywheel.config import ReplayConfig, UserConfig
 from flywheel.contract import Environment, Score, Task, ToolError, UserError, prompt_hash, split_of
+from flywheel.data.tasksets import row_task
 from flywheel.envs.replay.matching import Call, Matcher, describe
 from flywheel.envs.replay.record import Record, UnusableRecord, infer_tools, read_record
 from flywheel.envs.replay.rubric import (
@@ -111,8 +112,7 @@ class ReplayEnv(Environment):
                 import pyarrow.parquet as pq
 
                 table = pq.read_table(self.tasks_table).to_pylist()
-                tasks = [Task(r["task_id"], r["env"], json.loads(r["prompt"]), r["answer"], r["slice"], r["split"])
-                         for r in table if r["env"] == NAME]
+                tasks = [row_task(r) for r in table if r["env"] == NAME]
             self._recorded = tasks
         return self._recorded
 
@@ -153,7 +153,8 @@ class ReplayEnv(Environment):
             record = read_record(messages, whole=self.user.kind != "none")
         except UnusableRecord:
             return None
-        expected = _json(trace.get("expected_actions") or "null")
+        # the label's own writes are the target; a rejected trace's task asks that its own writes not be repeated
+        expected = _json(trace.get("expected_actions") or "null") if outcome == "accepted" else None
         expected = None if expected is None else [[a["name"], a["arguments"]] for a in expected]
         tools = _json(trace.get("tools") or "[]") or infer_tools(record.calls)
         source = trace.get("source") or "traces"
