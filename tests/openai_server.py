@@ -6,6 +6,7 @@ tool parser) or with `<tool_call>` text (mode "text", a model served without one
 injects faults on demand: `inject("429", "500", "hang", "drop", "malformed")` applies one fault to each of the
 next requests; `down_after = N` drops every request after the N-th answer (an endpoint that died); `hang_after
 = N` holds every request after the N-th answer unanswered (so a test can kill its client at a known point).
+It also plays the simulated user (flywheel/envs/users.py) by rule, known by its prompts: see `simulated_user`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import socket
 import threading
 import time
@@ -25,7 +27,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from flywheel.contract import STOP
 from flywheel.envs.calculator import CalculatorEnv
+from flywheel.envs.users import SCENARIO_PROMPT, USER_PROMPT
 from flywheel.policies.toolcalls import render_tool_call
 
 FAULTS = {"429", "500", "hang", "drop", "malformed"}
@@ -179,7 +183,10 @@ class OracleServer:
 
     def _answer(self, body: dict, number: int, malformed: bool) -> dict:
         judge = self.judge
-        if judge:
+        played = simulated_user(body)
+        if played is not None:
+            message = {"role": "assistant", "content": played}
+        elif judge:
             message = {"role": "assistant", "content": judge(body["messages"])}
         elif self.replay is not None:
             message = self.replay(body["messages"])
@@ -206,6 +213,35 @@ class OracleServer:
                              "finish_reason": "tool_calls" if calls and self.mode == "tools" else "stop"}],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def simulated_user(body: dict) -> str | None:
+    """The simulated user's answer, by rule, to a request with its prompt (None: not such a request).
+
+    Playing a scenario: the first of its sentences (or lines) that none of the user's own earlier turns (the
+    request's assistant messages) contains, then "Thank you, that is all." with STOP. Writing a scenario: the
+    customer's messages as sentences, one per line, so playing it says them again in order.
+    """
+    messages = body.get("messages") or []
+    system = (messages[0].get("content") or "") if messages and messages[0].get("role") == "system" else ""
+    if body.get("tools") or not isinstance(system, str):
+        return None
+    if system.startswith(USER_PROMPT.splitlines()[0]):
+        scenario = system.split("<scenario>", 1)[1].split("</scenario>", 1)[0]
+        said = " ".join(m.get("content") or "" for m in messages if m.get("role") == "assistant")
+        for sentence in _sentences(scenario):
+            if sentence not in said:
+                return sentence
+        return f"Thank you, that is all. {STOP}"
+    if system.startswith(SCENARIO_PROMPT.splitlines()[0]):
+        listed = messages[-1].get("content") or ""
+        blocks = re.split(r"(?:^|\n\n)Message \d+:\n", listed)
+        return "\n".join(block.strip() for block in blocks if block.strip())
+    return None
+
+
+def _sentences(text: str) -> list[str]:
+    return [s.strip() for line in text.splitlines() for s in re.split(r"(?<=[.!?])\s+", line) if s.strip()]
 
 
 class TraceReplayer:
