@@ -544,3 +544,39 @@ def test_an_sft_row_from_a_trace_renders_as_rl_and_evaluate_show_its_task(collec
     logged = tokenizer.apply_chat_template(canonical_messages(task.prompt), tools=None, add_generation_prompt=True,
                                            tokenize=True, return_dict=True)
     assert ids[:len(logged["input_ids"])] != list(logged["input_ids"]), "with the logged tools it would differ"
+
+
+def test_an_llm_user_plays_the_records_scenario_or_one_written_once_and_cached(tmp_path, mlflow_store,
+                                                                               openai_server):
+    from tasks.collect import collect
+
+    user = {"kind": "openai", "model": "user-model", "base_url": openai_server.url, "timeout_s": 2.0,
+            "max_retries": 1}
+    write_project(tmp_path, pipeline(user=user))
+    collect.fn(pipeline="bank", root=str(tmp_path))
+    env = load_environment(load_pipeline("bank", tmp_path / "pipelines.yaml").environment, tmp_path, "bank")
+    tasks = env.recorded_tasks()
+    by: dict[str, set[str]] = {}
+    for t in tasks:
+        by.setdefault(t.slice, set()).add(t.data["scenario_by"])
+    assert by == {"replay/bank": {"record"}, "replay/scored": {"written"}}
+    written = [t for t in tasks if t.slice == "replay/scored"]
+    asked = openai_server.answers
+    assert asked == len(written) > 0, "one scenario written per trace without one, none for the rest"
+    first_user = [m["content"] for m in written[0].prompt if m["role"] == "user"][0]
+    assert written[0].data["scenario"].splitlines()[0] == first_user  # the test server lists the user's lines
+
+    collect.fn(pipeline="bank", root=str(tmp_path), full=True)  # everything again: the scenarios are cached
+    assert openai_server.answers == asked
+
+    task = next(t for t in tasks if t.slice == "replay/bank")
+    (episode,) = run_episodes(env, Says("Could you tell me more?"), [task], max_turns=24)
+    said = [m["content"] for m in episode.messages[len(task.prompt):] if m["role"] == "user"]
+    assert said and all(line in task.data["scenario"] for line in said), "the user plays its scenario"
+    assert episode.stop == "answer" and episode.scored and episode.reward == 0.0  # it said STOP; nothing done
+    assert env.counters["user_stops"] == 1 and env.counters["user_requests"] == len(said) + 1
+
+    openai_server.down_after = 0  # the user's model is down: the episode is the user's failure, not the agent's
+    fresh = load_environment(load_pipeline("bank", tmp_path / "pipelines.yaml").environment, tmp_path, "bank")
+    (broken,) = run_episodes(fresh, Says("Anything else?"), [task], max_turns=24)
+    assert broken.stop == "user_error" and not broken.scored and fresh.counters["user_errors"] == 1

@@ -215,3 +215,13 @@ def test_a_recorded_conversation_is_verified(env, tasks):
     assert not env.score(found, slipped).passed
     assert env.task_from_messages([{"role": "user", "content": "What is 2 + 2?"}]) is None
     assert env.task_from_messages([{"role": "user", "content": "Hi, I'm nobody@mail.com. Cancel W1234."}]) is None
+
+
+def test_with_a_simulated_customer_the_desk_goes_on_until_the_customer_stops(tasks, openai_server):
+    """`args: {user: {...}}`: a model plays the customer of each request after every answer (here the test
+    server, which has nothing to add to the request and says ###STOP###); the oracle still resolves each."""
+    env = get_environment("support", args={"user": {"model": "customer", "base_url": openai_server.url,
+                                                    "cache": None}})
+    episodes = run_episodes(env, OraclePolicy(env), tasks[:4], max_turns=16)
+    assert all(e.stop == "answer" and e.passed for e in episodes)
+    assert env.counters["user_requests"] == env.counters["user_stops"] == 4 == openai_server.answers

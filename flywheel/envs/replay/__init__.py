@@ -138,29 +138,34 @@ class ReplayEnv(Environment):
                                      "split": "train"})
 
     def task_from_trace(self, trace: dict, heldout_fraction: float | None = None) -> Task | None:
-        """The task of a traces-table row: the base environment's (split by its id) when it verifies it; else
-        the replay of an accepted trace (the trace's split), of a rejected one only with `rejected: eval`."""
+        """The task of a traces-table row: the base environment's (split by its id, or its group) when it
+        verifies it; else the replay of an accepted trace (the trace's split), of a rejected one only with
+        `rejected: eval`."""
         messages = _json(trace["messages"])
         if self.base is not None:
             task = self.base.task_from_messages(messages)
             if task is not None:
-                split = split_of(task.task_id, heldout_fraction) if heldout_fraction is not None else task.split
-                return Task(task.task_id, task.env, task.prompt, task.answer, task.slice, split)
+                group = trace.get("group") or ""
+                if heldout_fraction is not None:
+                    task = replace(task, split=split_of(group or task.task_id, heldout_fraction))
+                return replace(task, group=group)
         outcome = trace.get("outcome")
         if outcome not in ("accepted", "rejected") or (outcome == "rejected" and self.cfg.rejected != "eval"):
             return None  # an unknown outcome is no target; a rejected one never is
+        whole = self.user.kind != "none"
         try:
-            record = read_record(messages, whole=self.user.kind != "none")
+            record = read_record(messages, whole=whole)
         except UnusableRecord:
             return None
-        # the label's own writes are the target; a rejected trace's task asks that its own writes not be repeated
-        expected = _json(trace.get("expected_actions") or "null") if outcome == "accepted" else None
+        # the label's own writes (those of the whole conversation) are the target; a rejected trace's task asks
+        # that its own writes not be repeated
+        expected = _json(trace.get("expected_actions") or "null") if outcome == "accepted" and whole else None
         expected = None if expected is None else [[a["name"], a["arguments"]] for a in expected]
         tools = _json(trace.get("tools") or "[]") or infer_tools(record.calls)
         source = trace.get("source") or "traces"
         data = {"source": source, "outcome": outcome, "tools": tools, "target": record.target,
                 "calls": [[c.name, c.arguments, c.result] for c in record.calls], "answers": record.answers,
-                "facts": record.facts, "whole": self.user.kind != "none", "users": record.users,
+                "facts": record.facts, "whole": whole, "users": record.users,
                 "expected": expected, **self._scenario(trace.get("scenario") or "", messages, record)}
         task = Task(task_id=prompt_hash(record.prompt), env=NAME, prompt=record.prompt,
                     answer=json.dumps(data, ensure_ascii=False, sort_keys=True), slice=f"{NAME}/{source}",

@@ -39,8 +39,15 @@ def task_from_messages(messages: list[dict], db_seed: int = 0) -> Task | None:
     return task_from_text(first, db_seed, NAME) if first else None
 
 
-def make_env(db_seed: int = 0) -> Env:
-    """The support desk over the database of `db_seed` (tasks, tools, rubric and oracle all read that one)."""
+def make_env(db_seed: int = 0, user: dict | None = None) -> Env:
+    """The support desk over the database of `db_seed` (tasks, tools, rubric and oracle all read that one).
+
+    `user`: a model that plays the customer after each answer (flywheel.envs.users.LLMUser's options: model,
+    base_url, api_key_env, ...), from the task's request, until it says ###STOP###; pipelines.yaml:
+    `environment: {name: support, args: {user: {model: ..., base_url: ...}}}`. None: the conversation ends at
+    the agent's first answer."""
+    from flywheel.envs.users import LLMUser
+
     return Env(
         name=NAME,
         tools=TOOLS,
@@ -53,6 +60,7 @@ def make_env(db_seed: int = 0) -> Env:
         teardown=close_episode,
         solver=solve,
         task_from_messages=functools.partial(task_from_messages, db_seed=db_seed),
+        user=LLMUser(**user) if user else None,
     )
 
 

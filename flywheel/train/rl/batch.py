@@ -148,7 +148,10 @@ def encode_episode(episode: Episode, tokenizer, tools: list[dict], max_length: i
 
 def make_groups(episodes: Sequence[Episode], group_size: int, tokenizer, tools: list[dict], max_length: int,
                 step: int, version: int) -> list[Group]:
-    """Split run_episodes' output (task-major, `group_size` samples per task) into encoded groups."""
+    """Split run_episodes' output (task-major, `group_size` samples per task) into encoded groups.
+
+    An episode whose simulated user failed (Episode.scored false) is left out of its group: its reward says
+    nothing about the policy; a group with none left is no group."""
     if len(episodes) % group_size:
         raise ValueError(f"{len(episodes)} episodes do not split into groups of {group_size}")
     groups = []
@@ -156,8 +159,10 @@ def make_groups(episodes: Sequence[Episode], group_size: int, tokenizer, tools: 
         members = list(episodes[start:start + group_size])
         if len({e.task.task_id for e in members}) != 1:
             raise ValueError(f"group {index} mixes tasks: run_episodes must return a task's samples together")
-        groups.append(Group(step, index, version,
-                            [encode_episode(e, tokenizer, tools, max_length) for e in members]))
+        scored = [e for e in members if e.scored]
+        if scored:
+            groups.append(Group(step, index, version,
+                                [encode_episode(e, tokenizer, tools, max_length) for e in scored]))
     return groups
 
 
