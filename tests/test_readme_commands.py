@@ -93,7 +93,7 @@ FIGURES = {
     "synthesis.py": {"concurrency", "samples_per_s_concurrent", "samples_per_s_sequential", "ratio", "ideal_ratio",
                      "fraction_of_ideal"},
     "envs.py": {"harness_episodes_per_s", "bare_episodes_per_s", "ratio"},
-    "replay.py": {"traces", "recorded_calls", "answered", "episodes_per_s", "reward_mean"},
+    "replay.py": {"traces", "recorded_calls", "answered", "episodes_per_s", "recorded", "null", "id_only"},
     "sft.py": {"steps", "batch_size", "stage_tokens_per_s", "bare_trl_tokens_per_s", "ratio"},
     "rl_async.py": {"sync_wall_s", "async_wall_s", "sync_generate_s", "sync_train_s", "sync_learner_idle_fraction",
                     "async_learner_idle_fraction", "speedup", "ideal_speedup", "fraction_of_ideal"},

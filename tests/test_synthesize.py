@@ -60,7 +60,8 @@ def root(tmp_path, mlflow_store) -> Path:
                        "source": "sample", "location": f"sample.jsonl:{number}",
                        "collected_at": record["timestamp"], "messages": json.dumps(record["messages"]),
                        "tools": json.dumps(record["tools"]), "outcome": record["outcome"],
-                       "score": record.get("score"), "split": split, "metadata": "{}"})
+                       "score": record.get("score"), "split": split, "group": "", "scenario": "",
+                       "expected_actions": "", "metadata": "{}"})
     catalog = Catalog(root, "t")
     catalog.write("tasks", pd.DataFrame(list(tasks.values())))
     columns = list(Traces.to_schema().columns)  # the collect stage's contract as it stands
