@@ -110,7 +110,8 @@ def rl_part(base: Path, env: CalculatorEnv, out: Path, size: dict, device: str) 
 def eval_part(model: Path, env: CalculatorEnv, size: dict, device: str) -> dict:
     tasks = list(itertools.islice(env.generate_tasks(2), size["eval_tasks"]))
     started = time.perf_counter()
-    rows = evaluate_model(model, env, tasks, "check", max_turns=2, tool_timeout_s=2.0, batch_size=64, device=device)
+    rows = evaluate_model(model, env, tasks, "check", max_turns=2, tool_timeout_s=2.0, batch_size=64,
+                          device=device).rows
     seconds = time.perf_counter() - started
     return {"tokens_per_s": round(sum(r["tokens"] for r in rows) / seconds, 1), "device": device,
             "episodes": len(rows), "seconds": round(seconds, 2), **gpu_memory()}

@@ -95,6 +95,9 @@ def _summary(pipeline: str, results: dict[str, StageResult], ran: list[str], res
     current = registry.get_alias(pipeline, "champion")
     return {"pipeline": pipeline, "scores": gate["scores"], "gate_passed": gate["passed"],
             "gate_reasons": gate["reasons"], "version": registration["version"],
+            # pass rates beside mean rewards, references, RL that changed nothing (older reports lack them)
+            **{key: gate.get(key, default) for key, default in (("pass_rates", {}), ("references", {}),
+                                                                  ("warnings", []), ("refused", []))},
             "aliases": sorted(registry.client().get_model_version(pipeline, registration["version"]).aliases),
             "champion": current.version if current else None, "ran": ran, "restored": restored,
             "cached": [n for n in ORDER if n not in ran and n not in restored]}

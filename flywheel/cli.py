@@ -1,4 +1,4 @@
-"""The `flywheel` command: run a pipeline or one stage, check, compare, rerun, status, envs, serve and deploy."""
+"""The `flywheel` command: run a pipeline or one stage, eval, check, compare, rerun, status, envs, serve, deploy."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 ROOT = typer.Option(Path("."), "--root", help="Project root holding pipelines.yaml and dvc.yaml.")
 RUN_IDS = typer.Argument(None, help="MLflow run ids of retrain runs (default: the last N).")
 HTML = typer.Option(None, "--html", help="Also write an HTML report with plots to this file.")
+POLICY = typer.Option(..., "--policy", help="[LABEL=]SPEC, repeatable: a checkpoint folder, models:/NAME/VERSION, "
+                      "models:/NAME@ALIAS, @ALIAS (this pipeline's model), openai:MODEL or null.")
 RESTORE = typer.Option(["collect"], "--restore", help="A stage checked out from DVC instead of run (repeat: "
                        "collect, synthesize): their inputs lie outside the project and may have changed.")
 
@@ -121,12 +123,18 @@ def compare(pipeline: str = typer.Argument(..., help="Pipeline name (the MLflow 
         _fail(f"no retrain runs of '{pipeline}' in MLflow ({os.environ['MLFLOW_TRACKING_URI']}); "
               f"run `flywheel run {pipeline}` first")
     frame = comparison.summary_table(rows)
-    table = Table(title=f"{pipeline}: the last {len(rows)} retrain runs")
-    for column in frame.columns:
-        table.add_column(column, overflow="fold")
-    for line in frame.itertuples(index=False):
-        table.add_row(*[str(v) for v in line])
-    Console(width=max(160, Console().width)).print(table)
+    console = Console(width=max(160, Console().width))
+    # two tables, each run's id first in both: the runs, then their held-out scores (mean reward and pass rate)
+    scores = ["run", *comparison.SCORE_COLUMNS]
+    for title, columns in ((f"{pipeline}: the last {len(rows)} retrain runs",
+                            [c for c in frame.columns if c not in comparison.SCORE_COLUMNS]),
+                           ("held-out (greedy): mean reward and pass rate of each model", scores)):
+        table = Table(title=title)
+        for column in columns:
+            table.add_column(column, overflow="fold", no_wrap=column == "run")
+        for line in frame[columns].itertuples(index=False):
+            table.add_row(*[str(v) for v in line])
+        console.print(table)
     if html is not None:
         typer.echo(f"wrote {comparison.write_html(rows, html, pipeline)}")
 
@@ -158,7 +166,7 @@ def rerun(run_id: str = typer.Argument(..., help="MLflow run id of a retrain run
         outputs.add_row(o.stage, o.path, o.recorded[:12], o.reproduced[:12],
                         f"[{colour[o.verdict]}]{o.verdict}[/]", o.note)
     console.print(outputs)
-    scores = Table(title="held-out success (greedy): recorded and reproduced")
+    scores = Table(title="held-out mean reward (greedy): recorded and reproduced")
     for column in ("model", "recorded", "reproduced", "difference [interval]", "", "how"):
         scores.add_column(column)
     for s in report.scores:
@@ -203,10 +211,11 @@ def status(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.
     state = pipeline_status(pipeline, last=last)
     console = Console(width=max(140, Console().width))
     models = Table(title=f"{pipeline}: registered model")
-    for column in ("alias", "version", "held-out success", "registered", "from pipeline run", "gate", "promotion"):
+    for column in ("alias", "version", "mean reward", "pass rate", "registered", "from pipeline run", "gate",
+                   "promotion"):
         models.add_column(column)
     for a in state.aliases:
-        models.add_row(a.alias, a.version, "" if a.score is None else f"{a.score:.3f}",
+        models.add_row(a.alias, a.version, _fmt(a.score), _fmt(a.pass_rate),
                        a.registered.strftime("%Y-%m-%d %H:%M UTC"), a.pipeline_run, a.gate, a.promotion)
     console.print(models if state.aliases else f"{pipeline}: no registered version yet")
     runs = Table(title=f"{pipeline}: the last {len(state.runs)} retrain runs")
@@ -227,6 +236,58 @@ def status(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.
             versions.add_row(*[str(v)[:12] if i else str(v) for i, v in enumerate(line)])
         console.print(versions)
     console.print(f"next scheduled run: {next_run(pipeline, cfg.schedule).line}")
+
+
+@app.command("eval")
+def eval_policies(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yaml: its held-out tasks."),
+                  policy: list[str] = POLICY,
+                  base_url: str | None = typer.Option(None, "--base-url", help="openai: the endpoint, e.g. "
+                                                      "http://localhost:8000/v1 (default: OPENAI_BASE_URL)."),
+                  api_key_env: str | None = typer.Option(None, "--api-key-env", help="openai: the NAME of the "
+                                                         "variable holding the key."),
+                  price_input: float = typer.Option(0.0, "--price-input", min=0, help="openai: USD per million "
+                                                    "prompt tokens."),
+                  price_output: float = typer.Option(0.0, "--price-output", min=0, help="openai: USD per million "
+                                                     "completion tokens."),
+                  samples: int | None = typer.Option(None, "--samples", min=0, help="Sampled episodes per task "
+                                                     "beside the greedy one (default: evaluate.samples)."),
+                  root: Path = ROOT) -> None:
+    """Score policies on a pipeline's held-out tasks without training, beside the null policy; an MLflow run."""
+    from rich.console import Console
+
+    from flywheel.config import ConfigError, ReferenceConfig, load_pipeline
+    from flywheel.data.catalog import DataError
+    from flywheel.evaluate.adhoc import evaluate_policies
+    from flywheel.evaluate.arms import SpecError
+    from flywheel.evaluate.runner import NoHeldoutError
+
+    root = _checked_root(root)
+    try:
+        cfg = load_pipeline(pipeline, root / "pipelines.yaml")
+        endpoint = {"base_url": base_url, "api_key_env": api_key_env, "price_input_per_mtok": price_input,
+                    "price_output_per_mtok": price_output, "cache": None}
+        ReferenceConfig(name="check", model="check", **endpoint)  # a bad --api-key-env is named here
+    except (ConfigError, ValueError) as err:
+        _fail(str(err))
+    _check_environments(root, {pipeline: cfg})
+    try:
+        result = evaluate_policies(pipeline, root, cfg, policy, endpoint, samples)
+    except (NoHeldoutError, SpecError, DataError) as err:
+        _fail(str(err))
+    lines = [(m.model,
+              _fmt(m.mean_reward) + ("" if m.low is None else f" [{m.low:.3f}, {m.high:.3f}]"),
+              _fmt(m.pass_rate), str(m.tasks), _fmt(m.cost_per_task_usd, "${:.6f}"),
+              f"incomplete: {m.unanswered} task(s) unanswered" if m.unanswered else "")
+             for m in result.models.itertuples(index=False)]
+    console = Console(width=max(120, Console().width))
+    console.print(_score_table(f"pipeline '{pipeline}': {result.tasks} held-out tasks (greedy)",
+                               ("model", "mean reward [95% CI]", "pass rate", "tasks", "cost per task", "note"),
+                               lines))
+    for label, what in result.described.items():
+        console.print(f"  {label}: {what}", soft_wrap=True)
+    for label, count in result.user_errors.items():
+        console.print(f"{label}: {count} episode(s) left out: the simulated user failed")
+    console.print(f"MLflow run {result.run_id} (experiment '{pipeline}', run name 'eval')")
 
 
 @app.command()
@@ -442,23 +503,51 @@ def loop(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.ya
         typer.echo(line.text())
 
 
-def _print_summary(summary: dict, root: Path, seconds: float) -> None:
-    from rich.console import Console
+def _score_table(title: str, columns: tuple[str, ...], lines: list[tuple[str, ...]]):
+    """Held-out numbers per model: the mean reward and the pass rate side by side, never one for the other."""
     from rich.table import Table
 
+    table = Table(title=title)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="right" if 0 < i < len(columns) - 1 else "left")
+    for line in lines:
+        table.add_row(*line)
+    return table
+
+
+def _fmt(value, pattern: str = "{:.3f}") -> str:
+    """A number as text; blank when missing (None or NaN, the one value unequal to itself)."""
+    return "" if value is None or value != value else pattern.format(value)
+
+
+def _print_summary(summary: dict, root: Path, seconds: float) -> None:
+    from rich.console import Console
+
+    from flywheel.evaluate.report import reference_line
+
     console = Console()
-    table = Table(title=f"pipeline '{summary['pipeline']}': held-out success (greedy)")
-    table.add_column("model")
-    table.add_column("held-out success", justify="right")
-    for label in ("base", "sft", "rl", "champion"):
-        if f"score_{label}" in summary["scores"]:
-            name = {"rl": "rl (candidate)", "champion": "champion before this run"}.get(label, label)
-            table.add_row(name, f"{summary['scores'][f'score_{label}']:.3f}")
-    console.print(table)
-    verdict = "[green]passed[/]" if summary["gate_passed"] else "[red]not promoted[/]"
+    scores, passes = summary["scores"], summary.get("pass_rates", {})
+    names = {"null": "null (empty answer)", "rl": "rl (candidate)", "champion": "champion before this run"}
+    names |= {name: f"{name} (reference)" for name in summary.get("references", {})}
+    lines = []
+    for label in ("null", "base", "sft", "rl", "champion", *summary.get("references", {})):
+        if f"score_{label}" in scores or label in summary.get("references", {}):
+            ref = summary.get("references", {}).get(label) or {}
+            note = f"incomplete: {ref['unanswered']} task(s) unanswered" if ref.get("incomplete") else ""
+            lines.append((names.get(label, label), _fmt(scores.get(f"score_{label}")),
+                          _fmt(passes.get(f"pass_rate_{label}")), note))
+    console.print(_score_table(f"pipeline '{summary['pipeline']}': held-out (greedy)",
+                               ("model", "mean reward", "pass rate", "note"), lines))
+    verdict = ("[green]passed[/]" if summary["gate_passed"] else
+               "[red]refused: the eval cannot measure this candidate[/]" if summary.get("refused")
+               else "[red]not promoted[/]")
     console.print(f"gate: {verdict}")
     for reason in summary["gate_reasons"]:
         console.print(f"  - {reason}")
+    for name, ref in summary.get("references", {}).items():
+        console.print(reference_line(name, ref))
+    for warning in summary.get("warnings", []):
+        console.print(f"[yellow]warning:[/] {warning}")
     console.print(f"registered: {summary['pipeline']} version {summary['version']} "
                   f"(aliases: {', '.join(summary['aliases']) or 'none'}); champion is version {summary['champion']}")
     console.print(f"stages run: {', '.join(summary['ran']) or 'none'}; cached: {', '.join(summary['cached']) or 'none'}"

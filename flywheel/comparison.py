@@ -1,4 +1,5 @@
-"""Retrain runs side by side, from MLflow: data versions, key params, SFT/RL metrics, eval scores, gate decisions."""
+"""Retrain runs side by side, from MLflow: data versions, key params, SFT/RL metrics, eval scores (mean reward and
+pass rate), gate decisions."""
 
 from __future__ import annotations
 
@@ -16,19 +17,28 @@ from flywheel.metrics import (
     FINAL,
     GATE_COST_SAVING,
     GATE_COST_SAVING_LOW,
+    GATE_REFUSED,
+    PASS_RATE,
     RL_FINAL_AUDIT,
     RL_FINAL_GAP,
     RL_FINAL_HACKING,
     RL_FINAL_REWARD,
     RL_REWARD,
+    SCORE,
     SFT_FINAL_LOSS,
     SFT_LOSS,
+    pass_rate_name,
+    score_name,
 )
 from flywheel.registry import client
 
 PARAMS = ("sft.steps", "sft.lr", "rl.steps", "rl.lr", "rl.group_size", "rl.lr_schedule", "rl.difficulty_filter",
           "teacher.error_rate", "gate.mode", "gate.margin")
 CURVES = {"sft": SFT_LOSS, "rl": RL_REWARD}  # the learning curve each training stage logs per step
+MODELS = ("null", "base", "sft", "rl")  # the models of a run whose held-out scores the table shows
+# summary_table's held-out columns: each model's mean reward (the candidate's with its interval), then pass rates
+SCORE_COLUMNS = (*[f"{m} reward" for m in MODELS[:-1]], "rl reward [95% CI]", *[f"{m} pass" for m in MODELS],
+                 "vs champion")
 
 
 def retrain_runs(pipeline: str, last: int = 5, run_ids: list[str] | None = None) -> list[dict]:
@@ -69,7 +79,7 @@ def _describe(pipeline: str, parent) -> dict:
             continue
         row["params"] |= {k: v for k, v in run.data.params.items() if k in PARAMS}
         row["metrics"] |= {f"{name}.{k}": v for k, v in run.data.metrics.items()
-                           if k.startswith((FINAL, "score_", "gate_"))}
+                           if k.startswith((FINAL, SCORE, PASS_RATE, "gate_"))}
         if name in CURVES:
             history = client().get_metric_history(run.info.run_id, CURVES[name])
             row["curves"][f"{name} {CURVES[name]}"] = sorted((m.step, m.value) for m in history)
@@ -101,16 +111,19 @@ def summary_table(rows: list[dict]) -> pd.DataFrame:
             "run": row["run_id"][:8], "started": row["started"].strftime("%Y-%m-%d %H:%M"),
             "version": row["version"], "data": " ".join(f"{k}:{v}" for k, v in sorted(row["data"].items())),
             "params": " ".join(f"{k}={v}" for k, v in sorted(row["params"].items())),
-            "sft loss": _fmt(m.get(f"sft.{SFT_FINAL_LOSS}")), "rl reward": _fmt(m.get(f"rl.{RL_FINAL_REWARD}")),
-            "base": _fmt(m.get("evaluate.score_base")), "sft": _fmt(m.get("evaluate.score_sft")),
-            "rl [95% CI]": _fmt(m.get("evaluate.score_rl")) + (f" [{low:.3f}, {high:.3f}]" if low is not None
-                                                              and high is not None else ""),
+            "sft loss": _fmt(m.get(f"sft.{SFT_FINAL_LOSS}")),
+            "rl train reward": _fmt(m.get(f"rl.{RL_FINAL_REWARD}")),
+            # held-out, greedy: the mean reward and the pass rate of each model, side by side
+            **{f"{label} reward": _fmt(m.get(f"evaluate.{score_name(label)}")) for label in MODELS[:-1]},
+            "rl reward [95% CI]": _fmt(m.get(f"evaluate.{score_name('rl')}"))
+            + (f" [{low:.3f}, {high:.3f}]" if low is not None and high is not None else ""),
+            **{f"{label} pass": _fmt(m.get(f"evaluate.{pass_rate_name(label)}")) for label in MODELS},
             "vs champion": "" if diff is None else f"{diff:+.3f} (low {diff_low:+.3f})",
             # the RL reward-hacking monitor: held-out audit pass rate, reward minus it, and its verdict
             "audit": _fmt(m.get(f"rl.{RL_FINAL_AUDIT}")), "reward-audit gap": _fmt(m.get(f"rl.{RL_FINAL_GAP}")),
             "hacking": {None: "", 0.0: "no", 1.0: "FLAGGED"}.get(m.get(f"rl.{RL_FINAL_HACKING}"), "?"),
             "cost saving": _saving(m.get(f"evaluate.{GATE_COST_SAVING}"), m.get(f"evaluate.{GATE_COST_SAVING_LOW}")),
-            "gate": row["gate"] or row["status"].lower()})
+            "gate": "refused" if m.get(f"evaluate.{GATE_REFUSED}") else row["gate"] or row["status"].lower()})
     return pd.DataFrame(lines)
 
 

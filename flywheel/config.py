@@ -59,6 +59,42 @@ class ReplayConfig(Section):
         return self
 
 
+class UserConfig(Section):
+    """Who plays the user after each of the agent's answers (flywheel/envs/users.py).
+
+    replay: the recorded user turns, in order, one after each answer; when they run out the conversation ends.
+    openai: an LLM plays the user over the OpenAI protocol from a scenario (the record's `fields.scenario`, else
+    one this model writes once per trace from the recorded conversation, cached and stored with the task). It
+    sees the scenario and the visible conversation only: never tool results, the agent's state or the rubric.
+    none: the conversation ends at the agent's first answer (a single-turn task).
+    """
+
+    kind: Literal["replay", "openai", "none"] = "replay"
+    model: str | None = None  # openai: the served model name
+    base_url: str | None = None  # unset: the client's default (OPENAI_BASE_URL or OpenAI's)
+    api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")  # the variable's NAME, never the key
+    concurrency: int = Field(8, ge=1, le=512)
+    timeout_s: float = Field(60.0, gt=0)
+    max_retries: int = Field(4, ge=0, le=20)
+    breaker_failures: int = Field(10, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    max_new_tokens: int = Field(256, ge=1)
+    price_input_per_mtok: float = Field(0.0, ge=0)
+    price_output_per_mtok: float = Field(0.0, ge=0)
+    cache: str | None = ".flywheel/user-cache.sqlite"  # under the project root; null: none
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_alone(cls, data):
+        return {"kind": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _usable(self) -> UserConfig:
+        if self.kind == "openai" and not self.model:
+            raise ValueError("user kind 'openai' needs 'model' (the served model name that plays the user)")
+        return self
+
+
 class EnvironmentConfig(Section):
     # A built-in (`calculator`, or an installed package's `flywheel.environments` entry point) by name, or any
     # factory "package.module:function" (importable from the project root) called with `args`. Not both.
@@ -71,8 +107,14 @@ class EnvironmentConfig(Section):
     train_tasks: int = Field(3000, ge=1)
     heldout_tasks: int = Field(200, ge=1)
     seed: int = 0
-    max_turns: int = Field(4, ge=1, le=32)
+    # Assistant messages per episode (tool-calling turns and answers alike); a conversation still going then is
+    # cut and counted (conversations_cut). max_episode_tokens: the same for the tokens the agent generated.
+    max_turns: int = Field(4, ge=1, le=64)
+    max_episode_tokens: int | None = Field(None, ge=1)
     tool_timeout_s: float = Field(2.0, gt=0)
+    # Who answers the agent after it answers: replay tasks default to their recorded user turns (UserConfig);
+    # an environment written with the SDK declares its own user (Env(user=...)).
+    user: UserConfig = UserConfig()
 
     @model_validator(mode="after")
     def _one_source(self) -> EnvironmentConfig:
@@ -184,8 +226,20 @@ class FieldMapping(Section):
     tools: str | None = None
     outcome: str | None = None
     score: str | None = None
-    id: str | None = None
+    # one path, or several whose values are joined with ":" ([task_id, trial]: a task id repeated per attempt)
+    id: str | list[str] | None = None
     time: str | None = None
+    # the user's goal, for a simulated user (environment.user: openai); default: a top-level `scenario`
+    scenario: str | None = None
+    # the label's own ground truth, a list of {name, arguments}: the writes replay requires instead of the
+    # recorded ones; default: a top-level `expected_actions`
+    expected_actions: str | None = None
+
+    @model_validator(mode="after")
+    def _some_id_path(self) -> FieldMapping:
+        if isinstance(self.id, list) and not self.id:
+            raise ValueError("fields.id is an empty list: name one path, or several to join")
+        return self
 
 
 class OutcomeRule(Section):
@@ -265,6 +319,9 @@ class CollectConfig(Section):
     # A string is a glob under the project root, `s3://bucket/prefix`, or `mlflow:EXPERIMENT`.
     sources: list[SourceConfig] = [SourceConfig(path=["examples/traces/*.jsonl"])]
     heldout_fraction: float = Field(0.1, gt=0, lt=1)
+    # A record's field path (e.g. the logs' task id): every conversation of one group lands in the same split,
+    # so other attempts at a held-out scenario never train; unset: each conversation is split by its opening.
+    group_by: str | None = None
     max_bad_fraction: float = Field(0.2, ge=0, le=1)
     max_record_bytes: int = Field(1_000_000, ge=1024)  # a larger record is quarantined as oversize
     # Read only what is new since the last run (a watermark per source); false: re-read everything each run.
@@ -399,6 +456,9 @@ class RLConfig(Section):
     keep_best: bool = False
     validate_every: int = Field(10, ge=1)
     validate_tasks: int = Field(64, ge=1)
+    # RL that changed nothing (0 optimiser updates: every group had equal rewards, or an output byte-identical to
+    # the SFT checkpoint) is a warning in the run's summary and an MLflow tag; true: the stage fails instead.
+    fail_on_no_updates: bool = False
 
     @model_validator(mode="after")
     def _actors_fit(self) -> RLConfig:
@@ -416,6 +476,25 @@ class RLConfig(Section):
         return self
 
 
+class ReferenceConfig(Section):
+    """A policy scored beside the candidate on the same held-out tasks (evaluate.references); never gated on."""
+
+    name: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_.-]*$")  # its row in the eval table; not a model's label
+    policy: Literal["openai", "hf", "vllm"] = "openai"
+    model: str  # openai: the served model name; hf and vllm: a checkpoint folder or hub id
+    base_url: str | None = None  # openai: e.g. https://api.openai.com/v1; unset: OPENAI_BASE_URL or OpenAI's
+    api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")  # the variable's NAME, never the key
+    price_input_per_mtok: float = Field(0.0, ge=0)  # USD per million prompt tokens
+    price_output_per_mtok: float = Field(0.0, ge=0)  # USD per million completion tokens
+    # openai: retried like the teacher; past the retries (or the breaker) its row is marked incomplete
+    concurrency: int = Field(16, ge=1, le=512)
+    timeout_s: float = Field(120.0, gt=0)
+    max_retries: int = Field(6, ge=0, le=20)
+    breaker_failures: int = Field(10, ge=1)
+    cache: str | None = ".flywheel/reference-cache.sqlite"  # under the project root; null: none
+    device: str = Field("auto", pattern=DEVICE_PATTERN)  # hf and vllm
+
+
 class EvaluateConfig(Section):
     # Greedy decoding on every held-out task (sample 0), plus `samples` episodes per task at `temperature`
     # (samples 1..k, seeded, so candidate and champion draw with the same seeds). The gate pairs every row.
@@ -423,6 +502,21 @@ class EvaluateConfig(Section):
     samples: int = Field(0, ge=0)
     temperature: float = Field(1.0, gt=0)
     seed: int = 0
+    # Other policies scored on the same tasks (typically the production model the traces came from): the summary
+    # and the registry tags say what share of a reference's pass rate the candidate reaches, at what share of its
+    # cost per task. The students' cost per task uses these prices (USD per million tokens; 0: unpriced).
+    references: list[ReferenceConfig] = []
+    student_price_input_per_mtok: float = Field(0.0, ge=0)
+    student_price_output_per_mtok: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _distinct_references(self) -> EvaluateConfig:
+        names = [r.name for r in self.references]
+        models = ("null", "base", "sft", "rl", "champion")  # the rows evaluate scores itself
+        taken = sorted({n for n in names if names.count(n) > 1 or n in models})
+        if taken:
+            raise ValueError(f"references {taken}: each needs its own name, other than {', '.join(models)}")
+        return self
 
 
 class GateConfig(Section):
@@ -442,6 +536,14 @@ class GateConfig(Section):
     # Optional limits on the candidate's mean per task (eval columns `tokens` and `latency_s`); off when unset.
     max_tokens_per_task: float | None = Field(None, gt=0)
     max_latency_s: float | None = Field(None, gt=0)
+    # The gate refuses what the eval cannot measure (each check on by default): fewer held-out tasks than
+    # min_tasks (0: off); the null policy (an empty answer) within `margin` of the candidate (paired lower bound);
+    # base so near 1 that candidate - base cannot clear `margin` even for a perfect candidate; a slice where
+    # every model (null, base, sft, candidate, champion) scores the same.
+    min_tasks: int = Field(20, ge=0)
+    check_null: bool = True
+    check_ceiling: bool = True
+    check_flat_slices: bool = True
 
 
 class ScheduleConfig(Section):

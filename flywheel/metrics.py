@@ -39,3 +39,25 @@ RL_FINAL_HACKING = final_name(REWARD_HACKING)  # "hacking"
 # The cost-aware gate (flywheel/evaluate/gate.py): the relative saving 1 - candidate/champion and its interval.
 GATE_COST_SAVING = "gate_cost_saving"
 GATE_COST_SAVING_LOW = "gate_cost_saving_low"
+GATE_REFUSED = "gate_refused"  # 1.0: the gate refused because the eval cannot measure the candidate
+
+# Held-out scores of every model evaluate scores (null, base, sft, rl, champion, references), greedy: the mean
+# reward and the pass rate are two numbers, never one shown for the other.
+SCORE = "score_"  # + label: the mean reward
+PASS_RATE = "pass_rate_"  # + label: the share of tasks passed
+
+
+def score_name(label: str) -> str:
+    """The metric of a model's mean held-out reward."""
+    return SCORE + label
+
+
+def pass_rate_name(label: str) -> str:
+    """The metric of a model's held-out pass rate."""
+    return PASS_RATE + label
+
+
+# RL that did nothing: per step, the share of groups skipped because every reward in them was equal; in the
+# summary, the optimiser updates made over the run.
+RL_SKIPPED_SHARE = "skipped_group_share"
+RL_UPDATES = "updates"

@@ -21,7 +21,7 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 
 from flywheel.config import GateConfig
-from flywheel.evaluate.gate import GateDecision, decide
+from flywheel.evaluate.gate import BASELINES, GateDecision, decide
 from flywheel.registry import client, get_alias
 
 EVAL_ARTIFACT = "eval/eval.parquet"  # where register() stores a version's eval table
@@ -65,8 +65,8 @@ def promotion_lock(name: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def eval_table(name: str, version: str) -> pd.DataFrame | None:
-    """The eval rows of the version's own model as stored at registration, or None when none were stored."""
+def stored_table(name: str, version: str) -> pd.DataFrame | None:
+    """The whole eval table stored with the version at registration (every model scored), or None when none was."""
     import mlflow.artifacts
 
     mv = client().get_model_version(name, version)
@@ -77,16 +77,29 @@ def eval_table(name: str, version: str) -> pd.DataFrame | None:
                                                     dst_path=tempfile.mkdtemp(prefix="flywheel-eval-"))
     except (MlflowException, OSError):
         return None
-    frame = pd.read_parquet(local)
-    return frame[frame["model"] == CANDIDATE] if "model" in frame.columns else frame
+    return pd.read_parquet(local)
+
+
+def eval_table(name: str, version: str) -> pd.DataFrame | None:
+    """The eval rows of the version's own model as stored at registration, or None when none were stored."""
+    frame = stored_table(name, version)
+    if frame is None or "model" not in frame.columns:
+        return frame
+    return frame[frame["model"] == CANDIDATE]
 
 
 def gate_against_champion(name: str, version: str, champion: str | None, gate: GateConfig) -> GateDecision:
-    """Decide from the stored eval tables of `version` and `champion`; a missing table fails closed."""
-    candidate = eval_table(name, version)
-    if candidate is None:
+    """Decide from the stored eval tables of `version` and `champion`; a missing table fails closed.
+
+    The null policy's and the students' rows stored with the version are its baselines (a table stored without
+    them fails the checks that need them)."""
+    table = stored_table(name, version)
+    if table is None:
         return GateDecision(False, [f"version {version} of '{name}' has no stored eval table ({EVAL_ARTIFACT} in "
                                     "its run); promote it with --force or register it again from a pipeline run"])
+    labels = table["model"] if "model" in table.columns else pd.Series(CANDIDATE, index=table.index)
+    candidate = table[labels == CANDIDATE]
+    baselines = {label: table[labels == label] for label in BASELINES if (labels == label).any()}
     reference = None
     if champion is not None:
         reference = eval_table(name, champion)
@@ -97,7 +110,7 @@ def gate_against_champion(name: str, version: str, champion: str | None, gate: G
     tags = client().get_model_version(name, version).tags
     flags = [tags.get("flywheel.reward_hacking_reason") or "reward hacking flagged by the RL monitor"] \
         if tags.get("flywheel.reward_hacking") == "flagged" else []
-    return decide(candidate, reference, gate, flags=flags)
+    return decide(candidate, reference, gate, flags=flags, baselines=baselines)
 
 
 def _set_champion(name: str, version: str, previous: str | None, how: str, reasons: list[str]) -> None:

@@ -15,16 +15,18 @@ ALIASES = ("champion", "challenger")
 
 @dataclass(frozen=True)
 class AliasState:
-    """The version behind an alias: its held-out score, when it was registered and from which pipeline run."""
+    """The version behind an alias: its held-out mean reward and pass rate, when it was registered and from which
+    pipeline run."""
 
     alias: str
     version: str
-    score: float | None
+    score: float | None  # the mean reward
     registered: pd.Timestamp
     pipeline_run: str
     gate: str
     promotion: str  # how it became champion: gate, forced, rollback; "" if it never did
     data: dict[str, str]  # dataset/model path -> DVC md5
+    pass_rate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -70,12 +72,13 @@ def pipeline_status(pipeline: str, last: int = 5) -> PipelineStatus:
             mv = c.get_model_version_by_alias(pipeline, alias)
         except MlflowException:
             continue
-        score = mv.tags.get("flywheel.score.score_rl")
+        score, passed = mv.tags.get("flywheel.score.score_rl"), mv.tags.get("flywheel.pass_rate.rl")
+        gate = "refused" if mv.tags.get("flywheel.gate_refused") else mv.tags.get("flywheel.gate", "")
         aliases.append(AliasState(alias, str(mv.version), float(score) if score else None,
                                   pd.Timestamp(mv.creation_timestamp, unit="ms", tz="UTC"),
                                   mv.tags.get("mlflow.pipeline_run_id", mv.run_id or ""),
-                                  mv.tags.get("flywheel.gate", ""), mv.tags.get("flywheel.promotion", ""),
-                                  _data(mv.tags)))
+                                  gate, mv.tags.get("flywheel.promotion", ""),
+                                  _data(mv.tags), float(passed) if passed else None))
     runs = []
     experiment = c.get_experiment_by_name(pipeline)
     if experiment is not None:

@@ -22,7 +22,6 @@ from flywheel.stages import StageResult
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
 
-
 WARNINGS_SHOWN = 10  # records kept with something to look at, printed; the count is the `warnings` metric
 
 

@@ -13,12 +13,15 @@ from flywheel.checkpoints import saved_chat_template
 from flywheel.config import PipelineConfig
 from flywheel.contract import Task, prompt_hash
 from flywheel.data.catalog import Catalog, content_hash
+from flywheel.data.schemas import Eval
 from flywheel.data.tasksets import row_task
-from flywheel.evaluate.gate import GateDecision, decide
-from flywheel.evaluate.report import plot_slices, slice_scores
-from flywheel.evaluate.runner import check_contamination, evaluate_model, synthetic_prompt_hashes
-from flywheel.metrics import GATE_COST_SAVING, GATE_COST_SAVING_LOW
+from flywheel.evaluate.arms import Arm, checkpoint_arm, null_arm, reference_arm, score_arm
+from flywheel.evaluate.gate import BASELINES, GateDecision, decide
+from flywheel.evaluate.report import model_scores, plot_slices, reference_shares, slice_scores
+from flywheel.evaluate.runner import check_contamination, require_heldout, synthetic_prompt_hashes
+from flywheel.metrics import GATE_COST_SAVING, GATE_COST_SAVING_LOW, GATE_REFUSED, pass_rate_name, score_name
 from flywheel.stages import StageResult
+from flywheel.train.rl.loop import NO_UPDATES_FILE
 from flywheel.train.rl.monitor import MONITOR_FILE
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
@@ -36,47 +39,57 @@ def champion_key(pipeline: str, root: Path, cfg: PipelineConfig | None = None) -
 
 @stage_task(cache_key_fn=by_content("evaluate", extra=champion_key))
 def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> StageResult:
-    """Score base, SFT and RL students (and the champion) on the held-out tasks; decide the gate."""
+    """Score the null policy, the base, SFT and RL students, the champion and the references on the held-out
+    tasks; decide the gate."""
     with stage_context("evaluate", pipeline, root, parent_run_id, params=("evaluate", "gate")) as stage:
         cfg, catalog, root_path, run = stage.cfg, stage.catalog, stage.root, stage.run
+        require_heldout(pipeline, catalog.read("tasks")["split"], catalog.table_path("tasks"))
         heldout = _heldout(catalog)
         candidate_hash = content_hash([catalog.model_dir("rl")], root_path)
-        models, champion = _models(catalog, pipeline, candidate_hash)
-        rows = []
-        templates = _templates(catalog)
-        for label, path in models.items():
-            rows += evaluate_model(path, stage.env, heldout, label, max_turns=cfg.environment.max_turns,
-                                   tool_timeout_s=cfg.environment.tool_timeout_s,
-                                   batch_size=cfg.evaluate.batch_size, samples=cfg.evaluate.samples,
-                                   temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed,
-                                   device=cfg.student.device, chat_template=templates.get(label))
-        table = pd.DataFrame(rows)
+        arms, champion_version = _arms(cfg, catalog, pipeline, candidate_hash, root_path)
+        scored = {arm.label: score_arm(arm, stage.env, heldout, max_turns=cfg.environment.max_turns,
+                                       tool_timeout_s=cfg.environment.tool_timeout_s, samples=cfg.evaluate.samples,
+                                       temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed,
+                                       max_tokens=cfg.environment.max_episode_tokens)
+                  for arm in arms}
+        table = pd.DataFrame([row for s in scored.values() for row in s.rows], columns=list(Eval.to_schema().columns))
         catalog.write("eval", table)
 
-        by_model = {label: table[table["model"] == label] for label in models}
-        decision = decide(by_model["rl"], by_model.get("champion"), cfg.gate, flags=_monitor_flags(catalog))
-        # the headline score stays greedy; the gate weighs every row (greedy and sampled) per task
-        scores = {f"score_{label}": float(frame.loc[frame["sample"] == 0, "reward"].mean())
-                  for label, frame in by_model.items()}
+        by_model = {label: table[table["model"] == label] for label in scored}
+        # references never reach the gate: an endpoint that failed must not decide a promotion
+        decision = decide(by_model["rl"], by_model.get("champion"), cfg.gate, flags=_monitor_flags(catalog),
+                          baselines={label: by_model[label] for label in BASELINES})
+        # the headline numbers stay greedy; the gate weighs every row (greedy and sampled) per task
+        greedy = table[table["sample"] == 0]
+        scores = {score_name(m): float(f["reward"].mean()) for m, f in greedy.groupby("model", sort=False)}
+        pass_rates = {pass_rate_name(m): float(f["passed"].mean()) for m, f in greedy.groupby("model", sort=False)}
         if cfg.evaluate.samples:
             run.metrics({f"sampled_score_{label}": float(frame.loc[frame["sample"] > 0, "reward"].mean())
-                         for label, frame in by_model.items()})
-        report = {"passed": decision.passed, "reasons": decision.reasons,
+                         for label, frame in by_model.items() if not frame.empty})
+        references = {r.name: reference_shares(table, "rl", r.name, scored[r.name].unanswered, scored[r.name].failure)
+                      for r in cfg.evaluate.references}
+        unanswered = {label: s.unanswered for label, s in scored.items() if s.unanswered}
+        user_errors = {label: s.user_errors for label, s in scored.items() if s.user_errors}
+        report = {"passed": decision.passed, "reasons": decision.reasons, "refused": decision.refusals,
                   "numbers": json.loads(decision.to_json())["numbers"],
-                  "scores": scores, "candidate_hash": candidate_hash,
-                  "champion_version": champion.version if "champion" in models else None}
+                  "scores": scores, "pass_rates": pass_rates,
+                  "models": json.loads(model_scores(table, cfg.gate, unanswered).to_json(orient="records")),
+                  "references": references, "user_errors": user_errors, "warnings": _rl_warnings(catalog),
+                  "candidate_hash": candidate_hash, "champion_version": champion_version}
         per_slice = slice_scores(table, cfg.gate)
-        report["slice_scores"] = per_slice.round(6).to_dict("records")
+        report["slice_scores"] = json.loads(per_slice.round(6).to_json(orient="records"))
         gate_path = catalog.write_json("evaluate", "gate.json", report)
-        run.metrics(scores | _gate_metrics(decision, report["numbers"]))
+        run.metrics(scores | pass_rates | _gate_metrics(decision, report["numbers"]) | _reference_metrics(references)
+                    | {f"user_errors_{label}": n for label, n in user_errors.items()})
         with tempfile.TemporaryDirectory() as tmp:
             plot = plot_slices(per_slice, Path(tmp) / "gate_slices.png", f"{pipeline}: held-out reward by slice")
             if plot is not None:
                 run.artifact(plot)
         run.tags({"flywheel.gate": "passed" if decision.passed else "failed",
-                  "flywheel.out.evaluate": content_hash([catalog.stage_dir("evaluate")], root_path)})
+                  "flywheel.out.evaluate": content_hash([catalog.stage_dir("evaluate")], root_path)}
+                 | ({"flywheel.gate_refused": "; ".join(decision.refusals)[:5000]} if decision.refusals else {}))
         run.artifact(gate_path)
-        publish_eval_report(pipeline, report, table)
+        publish_eval_report(pipeline, report)
         return stage.done(scores, gate=report)
 
 
@@ -86,21 +99,32 @@ def _heldout(catalog: Catalog) -> list[Task]:
     catalog.write("heldout", tasks[tasks["split"] == "heldout"].reset_index(drop=True))
     heldout = [row_task(r) for r in catalog.read("heldout").to_dict("records")]
     prompt_of = {r["task_id"]: prompt_hash(json.loads(r["prompt"])) for r in tasks.to_dict("records")}
+    group_of = {r["task_id"]: r["group"] for r in tasks.to_dict("records") if r["group"]}
     synthetic = catalog.read("synthetic")
+    trained = synthetic.loc[synthetic["accepted"]]
+    rollouts = catalog.read("rollouts")["task_id"]
     check_contamination(heldout, {
-        "sft data (synthetic)": synthetic_prompt_hashes(synthetic.loc[synthetic["accepted"], "messages"]),
-        "rl rollouts": [prompt_of.get(t, t) for t in catalog.read("rollouts")["task_id"]],
-    })
+        "sft data (synthetic)": synthetic_prompt_hashes(trained["messages"]),
+        "rl rollouts": [prompt_of.get(t, t) for t in rollouts],
+    }, groups={"sft data (synthetic)": [group_of[t] for t in trained["task_id"] if t in group_of],
+               "rl rollouts": [group_of[t] for t in rollouts if t in group_of]})
     return heldout
 
 
-def _models(catalog: Catalog, pipeline: str, candidate_hash: str) -> tuple[dict[str, Path], registry.Version | None]:
-    """Label -> checkpoint of every model to score (the champion unless it is the candidate); the champion."""
+def _arms(cfg: PipelineConfig, catalog: Catalog, pipeline: str, candidate_hash: str,
+          root: Path) -> tuple[list[Arm], str | None]:
+    """What to score: the null policy, base, SFT and RL, the champion unless it is the candidate, the references;
+    and the champion's version when it is scored."""
     models = {"base": catalog.base_model(), "sft": catalog.model_dir("sft"), "rl": catalog.model_dir("rl")}
     champion = registry.get_alias(pipeline, "champion")
     if champion is not None and champion.model_hash != candidate_hash:
         models["champion"] = registry.download(champion)
-    return models, champion
+    templates = _templates(catalog)
+    prices = (cfg.evaluate.student_price_input_per_mtok, cfg.evaluate.student_price_output_per_mtok)
+    students = [checkpoint_arm(label, path, batch_size=cfg.evaluate.batch_size, device=cfg.student.device,
+                               chat_template=templates.get(label), prices=prices) for label, path in models.items()]
+    references = [reference_arm(r, root, cfg.evaluate.batch_size) for r in cfg.evaluate.references]
+    return [null_arm(), *students, *references], champion.version if "champion" in models else None
 
 
 def _monitor_flags(catalog: Catalog) -> list[str]:
@@ -123,11 +147,29 @@ def _templates(catalog: Catalog) -> dict[str, str]:
     return {"base": saved_chat_template(catalog.model_dir("sft"))}
 
 
+def _rl_warnings(catalog: Catalog) -> list[str]:
+    """The RL stage's word that it changed nothing (data/<p>/rl/no_updates.json), when it ran and said so."""
+    path = catalog.stage_dir("rl") / NO_UPDATES_FILE
+    warning = json.loads(path.read_text()).get("warning") if path.exists() else ""
+    return [warning] if warning else []
+
+
 def _gate_metrics(decision: GateDecision, numbers: dict) -> dict:
-    """The gate's decision and numbers as MLflow metrics: passed, the differences and the candidate's interval."""
+    """The gate's decision and numbers as MLflow metrics: passed, refused, the differences and intervals."""
     cost = numbers.get("cost") or {}
-    return ({"gate_passed": float(decision.passed), "gate_flagged": float(bool(numbers.get("flags")))}
+    return ({"gate_passed": float(decision.passed), "gate_flagged": float(bool(numbers.get("flags"))),
+             GATE_REFUSED: float(bool(decision.refusals))}
             | ({GATE_COST_SAVING: cost["saving"], GATE_COST_SAVING_LOW: cost["low"]} if cost else {})
             | {f"gate_diff_{k}": v for k, v in (numbers.get("diff") or {}).items() if v is not None}
+            | {f"gate_null_{k}": v for k, v in (numbers.get("null") or {}).items() if k in ("diff", "low")
+               and v is not None}
+            | ({"gate_base_room": numbers["base"]["room"]} if numbers.get("base") else {})
             | {f"gate_candidate_{k}": numbers.get("candidate", {}).get(k) for k in ("low", "high")
                if numbers.get("candidate", {}).get(k) is not None})
+
+
+def _reference_metrics(references: dict) -> dict:
+    """Each reference's pass rate, cost per task, the candidate's shares of them and its unanswered tasks."""
+    keys = ("pass_rate", "cost_per_task_usd", "pass_share", "cost_share", "unanswered")
+    return {f"reference_{name}_{k}": float(ref[k]) for name, ref in references.items() for k in keys
+            if ref.get(k) is not None}

@@ -7,6 +7,8 @@ from flywheel.checkpoints import adapter_base
 from flywheel.data import dvc
 from flywheel.data.catalog import content_hash
 from flywheel.evaluate.gate import GateDecision
+from flywheel.evaluate.report import reference_line
+from flywheel.metrics import PASS_RATE
 from flywheel.serving.chat import input_example
 from flywheel.serving.mlflow_model import StudentChatModel
 from flywheel.stages import ORDER, StageResult
@@ -53,6 +55,7 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
                  "flywheel.gate_champion": gate.get("champion_version") or "none",
                  **{f"flywheel.gate.{k}": round(v, 4) for k, v in (gate["numbers"].get("diff") or {}).items()
                     if isinstance(v, float)}}
+        tags |= _measured_tags(gate)
         version = registry.register(run, pipeline, model_dir, model_hash, tags, ["challenger"],
                                     eval_table=catalog.table_path("eval"), python_model=StudentChatModel(),
                                     example=input_example(stage.env))
@@ -61,7 +64,7 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
         if promote:
             outcome = promotion.promote(pipeline, version.version, cfg.gate,
                                         decision=GateDecision(gate["passed"], list(gate["reasons"]),
-                                                              gate["numbers"]),
+                                                              gate["numbers"], list(gate.get("refused", []))),
                                         judged_against=gate.get("champion_version"))
             promoted, reasons = outcome.promoted, outcome.reasons
         else:
@@ -72,3 +75,20 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
         catalog.write_json("register", "registration.json", result)
         run.tags({"flywheel.registered_version": version.version})
         return stage.done({}, registration=result)
+
+
+def _measured_tags(gate: dict) -> dict:
+    """Pass rates beside the mean rewards, why the gate could not measure (if so), the references' shares, and
+    RL's word that it changed nothing: what the version's tags must say for its scores to be read right."""
+    tags = {f"flywheel.pass_rate.{k.removeprefix(PASS_RATE)}": round(v, 4)
+            for k, v in gate.get("pass_rates", {}).items()}
+    if gate.get("refused"):
+        tags["flywheel.gate_refused"] = "; ".join(gate["refused"])[:5000]
+    for name, ref in gate.get("references", {}).items():
+        tags[f"flywheel.reference.{name}"] = reference_line(name, ref)[:5000]
+        tags |= {f"flywheel.reference.{name}.{k}": round(ref[k], 6) if isinstance(ref[k], float) else ref[k]
+                 for k in ("pass_rate", "pass_share", "cost_per_task_usd", "cost_share", "unanswered")
+                 if ref.get(k) is not None}
+    if gate.get("warnings"):
+        tags["flywheel.rl_no_updates"] = "; ".join(gate["warnings"])[:5000]
+    return tags

@@ -10,11 +10,15 @@ from flywheel.data.schemas import Rollouts
 from flywheel.data.tasksets import row_task
 from flywheel.metrics import final_metrics
 from flywheel.stages import StageResult
-from flywheel.train.rl.loop import train_rl
+from flywheel.train.rl.loop import NO_UPDATES_FILE, no_update_warning, train_rl
 from flywheel.train.rl.monitor import MONITOR_FILE, Monitor, audit_sample
 from tasks.kernel import stage_context, stage_task
 from tasks.progress import progress
 from tasks.reports import publish_monitor_report
+
+
+class NoUpdatesError(RuntimeError):
+    """RL changed nothing and rl.fail_on_no_updates asks for an error instead of a warning."""
 
 
 @stage_task()
@@ -36,6 +40,7 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
         else:
             rows, summary = train_rl(catalog.model_dir("sft"), env, tasks, cfg.rl, out_dir,
                                      max_turns=cfg.environment.max_turns, device=cfg.student.device,
+                                     max_tokens=cfg.environment.max_episode_tokens,
                                      on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"), monitor=monitor)
         catalog.write("rollouts", pd.DataFrame(rows, columns=list(Rollouts.to_schema().columns)))
         report_path = catalog.stage_dir("rl") / MONITOR_FILE
@@ -47,4 +52,11 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
                      | ({"flywheel.reward_hacking_reason": report["reason"][:5000]} if report["flagged"] else {}))
             publish_monitor_report(pipeline, report)
         run.metrics(final_metrics(summary))
+        # RL switched off (steps 0) is asked for; RL that ran and changed nothing is said, or an error if asked
+        warning = no_update_warning(summary, catalog.model_dir("sft"), out_dir) if cfg.rl.steps else ""
+        catalog.write_json("rl", NO_UPDATES_FILE, {"warning": warning})
+        if warning:
+            run.tags({"flywheel.rl_no_updates": warning[:5000]})
+            if cfg.rl.fail_on_no_updates:
+                raise NoUpdatesError(f"pipeline '{pipeline}': {warning} (rl.fail_on_no_updates is true)")
         return stage.done(summary)

@@ -63,15 +63,20 @@ def test_compare_reads_runs_the_stages_made_and_writes_html(project, tmp_path):
     assert rows[0]["curves"]["rl reward_mean"] == sorted(rewards) and len(rewards) == 2
 
     table = comparison.summary_table(rows)
-    # the columns a real run fills: the last logged SFT loss, the last RL step's mean reward, the held-out scores
+    # the columns a real run fills: the last logged SFT loss, the last RL step's mean reward, the held-out mean
+    # reward and pass rate of every model in columns of their own (the null policy's included)
     assert table.loc[0, "sft loss"] == f"{sorted(losses)[-1][1]:.3f}"
-    assert table.loc[0, "rl reward"] == f"{sorted(rewards)[-1][1]:.3f}"
+    assert table.loc[0, "rl train reward"] == f"{sorted(rewards)[-1][1]:.3f}"
     scores = c.get_run(stage_ids["evaluate"]).data.metrics
-    for column, label in (("base", "base"), ("sft", "sft")):
-        assert table.loc[0, column] == f"{scores[f'score_{label}']:.3f}"
-    assert table.loc[0, "rl [95% CI]"].startswith(f"{scores['score_rl']:.3f} [")
+    for label in ("null", "base", "sft"):
+        assert table.loc[0, f"{label} reward"] == f"{scores[metrics.score_name(label)]:.3f}"
+    for label in ("null", "base", "sft", "rl"):
+        assert table.loc[0, f"{label} pass"] == f"{scores[metrics.pass_rate_name(label)]:.3f}"
+    assert table.loc[0, "rl reward [95% CI]"].startswith(f"{scores['score_rl']:.3f} [")
+    assert scores[metrics.GATE_REFUSED] == 0.0  # the small pipeline's checks are off, its 30 tasks >= min_tasks
     assert table.loc[0, "gate"] == "failed" and table.loc[1, "gate"] == "passed"
-    assert all(table.loc[i, column] != "" for i in (0, 1) for column in ("sft loss", "rl reward", "base", "sft"))
+    assert all(table.loc[i, column] != "" for i in (0, 1)
+               for column in ("sft loss", "rl train reward", "null reward", "base reward", "sft reward", "rl pass"))
     # the reward-hacking monitor's numbers, from the monitored run only
     rl_metrics = c.get_run(stage_ids["rl"]).data.metrics
     assert table.loc[0, "audit"] == f"{rl_metrics[metrics.RL_FINAL_AUDIT]:.3f}"
@@ -105,3 +110,16 @@ def test_cost_saving_and_a_flag_show_in_the_table():
     table = comparison.summary_table([row])
     assert table.loc[0, "hacking"] == "FLAGGED" and table.loc[0, "audit"] == "0.250"
     assert table.loc[0, "cost saving"] == "31.0% (low 22.0%)"
+
+
+def test_a_refused_gate_and_both_columns_show_in_the_table():
+    import pandas as pd
+
+    row = {"run_id": "abcdef0123", "started": pd.Timestamp(0, unit="ms"), "status": "FINISHED", "version": "4",
+           "gate": "failed", "data": {}, "params": {}, "curves": {}, "slices": [], "reasons": [],
+           "metrics": {f"evaluate.{metrics.GATE_REFUSED}": 1.0, "evaluate.score_null": 0.7,
+                       "evaluate.pass_rate_null": 0.0, "evaluate.score_rl": 0.262, "evaluate.pass_rate_rl": 0.0}}
+    table = comparison.summary_table([row])
+    assert table.loc[0, "gate"] == "refused"
+    assert table.loc[0, "null reward"] == "0.700" and table.loc[0, "null pass"] == "0.000"
+    assert table.loc[0, "rl reward [95% CI]"] == "0.262" and table.loc[0, "rl pass"] == "0.000"

@@ -112,7 +112,7 @@ def test_evaluate_and_rl_take_the_student_device(tiny_student, tmp_path):
     with pytest.raises(RuntimeError, match="hf policy for .*'cuda' but no CUDA GPU"):
         evaluate_model(tiny_student, env, tasks, "rl", max_turns=1, tool_timeout_s=1.0, batch_size=4, device="cuda")
     assert len(evaluate_model(tiny_student, env, tasks, "rl", max_turns=1, tool_timeout_s=1.0, batch_size=4,
-                              device="cpu")) == 4
+                              device="cpu").rows) == 4
     cfg = RLConfig(steps=1, tasks_per_step=2, group_size=2, max_new_tokens=4, actors=0)
     with pytest.raises(RuntimeError, match=r"student.device \(the RL learner\): 'cuda:0' but no CUDA GPU"):
         train_rl(tiny_student, env, tasks, cfg, tmp_path / "rl", 1, device="cuda:0")

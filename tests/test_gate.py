@@ -209,3 +209,92 @@ def test_a_flag_refuses_a_candidate_whatever_its_scores():
     d = decide(table(BETTER), table(CHAMPION), cfg(), flags=[reason])
     assert not d.passed and f"flagged: {reason}" in d.reasons and d.numbers["flags"] == [reason]
     assert decide(table(BETTER), table(CHAMPION), cfg(), flags=[]).passed
+
+
+# ---- what the eval cannot measure: refused, whatever the scores -------------------------------------------------
+
+SLICES = ["add"] * 100 + ["mul"] * 100
+
+
+def baselines(null=None, base=None, sft=None) -> dict[str, pd.DataFrame]:
+    """The rows scored beside the candidate: by default the null policy and base solve nothing, SFT as champion."""
+    zeros = np.zeros(200)
+    return {"null": table(zeros if null is None else null, SLICES),
+            "base": table(zeros if base is None else base, SLICES),
+            "sft": table(CHAMPION if sft is None else sft, SLICES)}
+
+
+def test_a_measurable_candidate_passes_every_check_and_says_so():
+    d = decide(table(BETTER, SLICES), table(CHAMPION, SLICES), cfg(), baselines=baselines())
+    assert d.passed and d.refusals == [], d.reasons
+    assert any(r.startswith("beats the null policy") for r in d.reasons)
+    assert any(r.startswith("base scores 0.0000: room 1.0000") for r in d.reasons)
+    assert "every slice tells the models apart (candidate, champion, null, base, sft)" in d.reasons
+    assert d.numbers["null"]["score"] == 0.0 and d.numbers["base"]["room"] == 1.0 and d.numbers["flat_slices"] == {}
+    json.loads(d.to_json())
+
+
+def test_a_null_policy_as_good_as_the_candidate_is_refused():
+    """An empty answer scoring what the candidate does: the rubric rewards doing nothing."""
+    d = decide(table(BETTER, SLICES), None, cfg(), baselines=baselines(null=BETTER))
+    assert not d.passed
+    assert d.refusals == [r for r in d.reasons if r.startswith("cannot measure: ")]
+    assert any("the null policy (an empty answer) scores" in r and "within gate.margin 0.02" in r
+               for r in d.refusals), d.reasons
+    # a null policy a little below the candidate, within the margin, is refused as well
+    close = np.where(np.arange(200) < 2, 0.0, BETTER)
+    assert any("null policy" in r for r in decide(table(BETTER, SLICES), None, cfg(),
+                                                  baselines=baselines(null=close)).refusals)
+    assert decide(table(BETTER, SLICES), None, cfg(check_null=False, check_flat_slices=False),
+                  baselines=baselines(null=BETTER)).passed
+
+
+def test_a_base_model_at_the_ceiling_is_refused():
+    """Base solves 199 of 200: even a perfect candidate is at most 0.005 above it, under the margin."""
+    base = np.r_[np.zeros(1), np.ones(199)]
+    d = decide(table(np.ones(200), SLICES), None, cfg(margin=0.02), baselines=baselines(base=base))
+    assert not d.passed
+    assert any("base is already at the ceiling (0.9950): candidate - base is at most 0.0050, which cannot clear "
+               "gate.margin 0.02" in r for r in d.refusals), d.reasons
+    assert d.numbers["base"]["room"] == pytest.approx(0.005)
+    assert decide(table(np.ones(200), SLICES), None, cfg(check_ceiling=False),
+                  baselines=baselines(base=base)).passed
+
+
+def test_too_few_held_out_tasks_are_refused():
+    few = table(np.ones(12))
+    d = decide(few, None, cfg(min_tasks=20))
+    assert not d.passed
+    assert d.refusals == ["cannot measure: only 12 held-out tasks, fewer than gate.min_tasks 20: an interval over so "
+                          "few cannot tell models apart (add held-out tasks)"]
+    assert decide(few, None, cfg(min_tasks=0)).passed
+    assert decide(table(np.ones(20)), None, cfg(min_tasks=20)).passed
+
+
+def test_a_slice_every_model_scores_the_same_on_is_refused():
+    """'mul' is solved by nobody, not even the candidate: it cannot tell any model from another."""
+    candidate = np.r_[np.ones(100), np.zeros(100)]
+    d = decide(table(candidate, SLICES), None, cfg(min_score=0.0, margin=0.0),
+               baselines=baselines(sft=np.r_[np.full(100, 0.5), np.zeros(100)]))
+    assert not d.passed
+    assert d.refusals == ["cannot measure: slice 'mul': every model (candidate, null, base, sft) scores 0.0000, so it "
+                          "cannot tell them apart"]
+    assert d.numbers["flat_slices"] == {"mul": 0.0}
+    assert decide(table(candidate, SLICES), None, cfg(min_score=0.0, margin=0.0, check_flat_slices=False),
+                  baselines=baselines(sft=np.r_[np.full(100, 0.5), np.zeros(100)])).passed
+
+
+def test_missing_baselines_fail_closed_and_none_given_is_said():
+    only_sft = {"sft": table(CHAMPION, SLICES)}
+    d = decide(table(BETTER, SLICES), None, cfg(), baselines=only_sft)
+    assert not d.passed
+    assert any("no null-policy rows to compare the candidate with (gate.check_null)" in r for r in d.refusals)
+    assert any("no base-model rows" in r and "gate.check_ceiling" in r for r in d.refusals)
+    partial = baselines() | {"null": table(np.zeros(150), SLICES[:150])}
+    assert any("the null-policy rows miss 50 of the candidate's 200 tasks" in r
+               for r in decide(table(BETTER, SLICES), None, cfg(), baselines=partial).refusals)
+    broken = baselines() | {"null": table(np.zeros(200), SLICES).assign(reward=float("nan"))}
+    assert not decide(table(BETTER, SLICES), None, cfg(), baselines=broken).passed
+    unknown = decide(table(BETTER, SLICES), None, cfg())
+    assert unknown.passed and "no null, base or sft rows given: the null, ceiling and flat-slice checks were not " \
+                              "applied" in unknown.reasons

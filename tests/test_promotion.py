@@ -17,21 +17,24 @@ GATE = GateConfig(min_score=0.5, mode="non_inferior", margin=0.03, max_slice_reg
                   bootstrap_samples=500, confidence=0.95, seed=0)
 
 
-def _eval_table(folder: Path, solved: int, tasks: int = 40, first: int = 0) -> Path:
-    """An eval table whose candidate rows solve the first `solved` of `tasks` held-out tasks (t<first>...)."""
-    rows = [{"task_id": f"t{first + i:03d}", "sample": 0, "reward": float(i < solved), "passed": i < solved,
-             "slice": "even" if i % 2 == 0 else "odd", "model": "rl"} for i in range(tasks)]
+def _eval_table(folder: Path, solved: int, tasks: int = 40, first: int = 0, null_solves: int = 0,
+                base_solves: int = 0) -> Path:
+    """An eval table whose candidate rows solve the first `solved` of `tasks` held-out tasks (t<first>...); the
+    null policy and the base model the first `null_solves` and `base_solves`."""
+    rows = [{"task_id": f"t{first + i:03d}", "sample": 0, "reward": float(i < solves), "passed": i < solves,
+             "slice": "even" if i % 2 == 0 else "odd", "model": model}
+            for model, solves in (("rl", solved), ("base", base_solves), ("null", null_solves)) for i in range(tasks)]
     path = folder / "eval.parquet"
     pd.DataFrame(rows).to_parquet(path, index=False)
     return path
 
 
-def _version(tmp_path: Path, label: str, solved: int | None, name: str = "p", first: int = 0) -> str:
+def _version(tmp_path: Path, label: str, solved: int | None, name: str = "p", first: int = 0, **table) -> str:
     """Register a model version with (or without, when solved is None) a stored eval table."""
     folder = tmp_path / label
     (folder / "model").mkdir(parents=True)
     (folder / "model" / "config.json").write_text(f'{{"id": "{label}"}}')
-    table = _eval_table(folder, solved, first=first) if solved is not None else None
+    table = _eval_table(folder, solved, first=first, **table) if solved is not None else None
     run = registry.start_run(tmp_path, name, "register")
     return registry.register(run, name, folder / "model", f"hash-{label}", {}, ["challenger"],
                              eval_table=table).version
@@ -153,6 +156,34 @@ def test_regating_fails_closed_when_the_held_out_sets_differ(tmp_path, mlflow_st
     assert any("do not pair by (task_id, sample): 40 rows only in the candidate's, 40 only in the champion's" in r
                for r in outcome.reasons), outcome.reasons
     assert not promotion.promote("p", other, GATE).promoted  # gated from the stored tables directly: the same
+
+
+@pytest.mark.parametrize(("table", "why"), [
+    ({"null_solves": 40}, "cannot measure: the null policy (an empty answer) scores 1.0000, within gate.margin 0.03"),
+    ({"base_solves": 40}, "cannot measure: base is already at the ceiling (1.0000): candidate - base is at most"),
+    ({"tasks": 10}, "cannot measure: only 10 held-out tasks, fewer than gate.min_tasks 20"),
+])
+def test_what_the_eval_cannot_measure_stays_challenger(tmp_path, mlflow_store, table, why):
+    """A candidate that solves everything, on an eval that cannot tell it from doing nothing: refused, named why."""
+    version = _version(tmp_path, "perfect", table.get("tasks", 40), **table)
+    outcome = promotion.promote("p", version, GATE)
+    assert not outcome.promoted and any(r.startswith(why) for r in outcome.reasons), outcome.reasons
+    assert registry.get_alias("p", "champion") is None
+    assert registry.get_alias("p", "challenger").version == version
+
+
+def test_a_stored_table_without_the_null_row_fails_closed(tmp_path, mlflow_store):
+    folder = tmp_path / "old"
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "config.json").write_text("{}")
+    frame = pd.read_parquet(_eval_table(folder, 40))
+    frame[frame["model"] == "rl"].to_parquet(folder / "eval.parquet", index=False)  # registered before the null row
+    run = registry.start_run(tmp_path, "p", "register")
+    version = registry.register(run, "p", folder / "model", "hash-old", {}, ["challenger"],
+                                eval_table=folder / "eval.parquet").version
+    outcome = promotion.promote("p", version, GATE)
+    assert not outcome.promoted
+    assert any("no null-policy rows to compare the candidate with (gate.check_null)" in r for r in outcome.reasons)
 
 
 def test_forced_promotion_is_tagged_and_rollback_returns(tmp_path, mlflow_store):

@@ -33,7 +33,7 @@ def test_retrain_runs_caches_and_reruns_only_what_changed(project, prefect_serve
     assert first["ran"] == list(ORDER)
     assert first["gate_passed"] and first["version"] == "1"
     assert "champion" in first["aliases"] and "challenger" in first["aliases"]
-    assert set(first["scores"]) == {"score_base", "score_sft", "score_rl"}
+    assert set(first["scores"]) == {"score_null", "score_base", "score_sft", "score_rl"}
     assert dvc.status(project) == {}, "dvc status must be clean after a Prefect run"
 
     catalog = Catalog(project, "small")

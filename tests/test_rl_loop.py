@@ -13,11 +13,12 @@ from flywheel.checkpoints import load_student
 from flywheel.config import RLConfig, TinyModelConfig
 from flywheel.contract import Score
 from flywheel.envs.calculator import CalculatorEnv
+from flywheel.metrics import RL_SKIPPED_SHARE, RL_UPDATES
 from flywheel.policies.oracle import OraclePolicy
 from flywheel.policies.toolcalls import render_tool_call
 from flywheel.train.rl.batch import advantages_of, collate, encode_episode, make_groups, samples_of
 from flywheel.train.rl.learner import learn_on_batch
-from flywheel.train.rl.loop import train_rl
+from flywheel.train.rl.loop import no_update_warning, train_rl
 from flywheel.train.tiny import build_tiny_student, environment_corpus
 
 ROW_KEYS = {"step", "policy_version", "behaviour_version", "task_id", "group", "sample", "reward",
@@ -25,7 +26,7 @@ ROW_KEYS = {"step", "policy_version", "behaviour_version", "task_id", "group", "
 METRIC_KEYS = {"reward_mean", "reward_std", "pass_rate", "skipped_groups", "loss", "clip_fraction",
                "ratio_mean", "tokens_per_s", "step_time_s", "policy_version", "dropped_groups", "staleness_0",
                "is_weight_mean", "is_weight_max", "kl_behaviour", "learner_idle_fraction", "actor_idle_fraction",
-               "split_rollouts"}
+               "split_rollouts", "skipped_group_share"}
 
 
 class GradedCalculator(CalculatorEnv):
@@ -107,14 +108,36 @@ def test_rerun_is_reproducible(student, tasks, tmp_path):
 
 def test_groups_without_signal_are_skipped_and_change_nothing(student, tasks, tmp_path):
     # The real exact-answer rubric: an untrained model fails every task, so every group is skipped.
-    cfg = CFG.model_copy(update={"steps": 1})
+    cfg = CFG.model_copy(update={"steps": 2})
     seen = []
-    rows, _ = train_rl(student, CalculatorEnv(), tasks, cfg, tmp_path / "rl", max_turns=1,
-                       on_step=lambda step, m: seen.append(m))
+    rows, summary = train_rl(student, CalculatorEnv(), tasks, cfg, tmp_path / "rl", max_turns=1,
+                             on_step=lambda step, m: seen.append(m))
     assert all(r["reward"] == 0.0 and r["advantage"] is None for r in rows)
     assert seen[0]["skipped_groups"] == cfg.tasks_per_step and seen[0]["updates"] == 0
+    assert [m[RL_SKIPPED_SHARE] for m in seen] == [1.0, 1.0]  # per step: every group had equal rewards
+    assert summary[RL_UPDATES] == 0 and summary[RL_SKIPPED_SHARE] == 1.0
     before, after = weights(load_student(student)[0]), weights(load_student(tmp_path / "rl")[0])
     assert all(torch.equal(before[k], after[k]) for k in before)
+    # and it says so: the warning the rl stage puts in the run's summary (or fails with, if asked)
+    assert no_update_warning(summary, student, tmp_path / "rl") == (
+        "RL made 0 optimiser updates in 2 steps; 100% of its groups had equal rewards, so no signal: the RL model "
+        "is the SFT model")
+
+
+def test_an_output_identical_to_its_input_is_said(student, tmp_path):
+    """Updates made, but the weights kept are the starting ones (e.g. keep_best chose version 0)."""
+    import shutil
+
+    shutil.copytree(student, tmp_path / "rl")
+    assert no_update_warning({RL_UPDATES: 4, "steps": 2}, student, tmp_path / "rl") == (
+        "RL's output weights are byte-identical to its input (the SFT checkpoint): RL changed nothing")
+    model, tokenizer = load_student(student)
+    with torch.no_grad():
+        next(model.parameters()).add_(1e-3)
+    from flywheel.checkpoints import save_student
+
+    save_student(model, tokenizer, tmp_path / "moved")
+    assert no_update_warning({RL_UPDATES: 4, "steps": 2}, student, tmp_path / "moved") == ""
 
 
 def oracle_episodes(env, n_tasks: int, samples: int):

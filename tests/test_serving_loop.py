@@ -24,7 +24,7 @@ def test_two_rounds_serve_the_champion_and_collect_its_traffic(project, prefect_
     result = CliRunner().invoke(app, ["loop", "small", "--rounds", "2", "--episodes", "6", "--no-push",
                                       "--root", str(project)])
     assert result.exit_code == 0, result.output + repr(result.exception)
-    rounds = re.findall(r"round (\d): champion version (\d+); held-out success ([\d.]+); new traces collected (\d+); "
+    rounds = re.findall(r"round (\d): champion version (\d+); held-out mean reward ([\d.]+); new traces collected (\d+); "
                         r"served (\d+) answers to (\d+) episodes", result.output)
     assert [r[0] for r in rounds] == ["1", "2"], result.output
     assert int(rounds[0][4]) >= 6 and int(rounds[0][5]) == 6

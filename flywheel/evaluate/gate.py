@@ -1,12 +1,15 @@
 """The promotion gate: a candidate's eval table against the champion's, by the rules in pipelines.yaml.
 
-It fails closed: a missing pair, a NaN, an empty table or any error means no promotion, with the reason.
+It fails closed: a missing pair, a NaN, an empty table or any error means no promotion, with the reason. It also
+refuses what the eval cannot measure (too few tasks, a null policy or a base model already at the candidate's
+level, a slice every model scores the same on): those reasons start with "cannot measure:".
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -17,6 +20,8 @@ from flywheel.evaluate.stats import bootstrap_mean, paired_bootstrap
 
 COLUMNS = ("task_id", "sample", "reward", "passed", "slice")
 KEY = ["task_id", "sample"]
+BASELINES = ("null", "base", "sft")  # the eval table's rows beside the candidate that the measurability checks read
+REFUSED = "cannot measure: "  # the prefix of a reason the eval cannot measure the candidate
 # Scores are means of floats: without a tolerance 0.85 - 0.9 "drops by more than 0.05".
 _TOLERANCE = 1e-9
 
@@ -28,6 +33,7 @@ class GateDecision:
     passed: bool
     reasons: list[str] = field(default_factory=list)
     numbers: dict = field(default_factory=dict)
+    refusals: list[str] = field(default_factory=list)  # the reasons that say the eval cannot measure it
 
     def to_json(self) -> str:
         """The decision as JSON text; non-finite numbers become null so the text stays valid JSON."""
@@ -77,22 +83,122 @@ def _task_means(frame: pd.DataFrame) -> pd.Series:
     return frame.groupby("task_id", sort=True)["reward"].mean()
 
 
-def _decide(candidate: pd.DataFrame, champion: pd.DataFrame | None, cfg: GateConfig) -> GateDecision:
+def _decide(candidate: pd.DataFrame, champion: pd.DataFrame | None, cfg: GateConfig,
+            baselines: Mapping[str, pd.DataFrame] | None) -> GateDecision:
     problems = _check_table(candidate, "candidate")
     if champion is not None:
         problems += _check_table(champion, "champion")
+    for label, frame in (baselines or {}).items():
+        problems += _check_table(frame, label)
     if problems:
         return GateDecision(False, problems)
     boot = {"n": cfg.bootstrap_samples, "alpha": 1.0 - cfg.confidence, "seed": cfg.seed}
-    candidate = candidate.assign(reward=candidate["reward"].astype(np.float64))
+    candidate, champion = _floats_of(candidate), None if champion is None else _floats_of(champion)
     decision = _absolute_rules(candidate, cfg, boot)
     if champion is None:
         decision.numbers["slices"] = {str(name): {"candidate": float(rows["reward"].mean()), "rows": len(rows)}
                                       for name, rows in candidate.groupby("slice", sort=True)}
         decision.reasons.append("no champion: only the absolute rule (min_score) applies")
-        return decision
-    return _champion_rules(candidate, champion.assign(reward=champion["reward"].astype(np.float64)), cfg, boot,
-                           decision)
+    else:
+        decision = _champion_rules(candidate, champion, cfg, boot, decision)
+    others = None if baselines is None else {label: _floats_of(frame) for label, frame in baselines.items()}
+    refusals, notes = _measurable(candidate, champion, others, cfg, boot, decision.numbers)
+    decision.reasons += notes + [REFUSED + r for r in refusals]
+    decision.refusals = [REFUSED + r for r in refusals]
+    decision.passed = decision.passed and not refusals
+    return decision
+
+
+def _floats_of(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.assign(reward=frame["reward"].astype(np.float64))
+
+
+def _measurable(candidate: pd.DataFrame, champion: pd.DataFrame | None,
+                baselines: dict[str, pd.DataFrame] | None, cfg: GateConfig, boot: dict,
+                numbers: dict) -> tuple[list[str], list[str]]:
+    """Why the eval cannot tell this candidate apart from doing nothing (refusals), and what it checked (notes).
+
+    baselines None: only the candidate and champion are known, so the checks that read the null and base rows,
+    and the flat-slice check over every model, are not applied (the note says so).
+    """
+    refusals, notes = [], []
+    tasks = int(candidate["task_id"].nunique())
+    if cfg.min_tasks and tasks < cfg.min_tasks:
+        refusals.append(f"only {tasks} held-out tasks, fewer than gate.min_tasks {cfg.min_tasks}: an interval over "
+                        "so few cannot tell models apart (add held-out tasks)")
+    elif cfg.min_tasks:
+        notes.append(f"{tasks} held-out tasks >= min_tasks {cfg.min_tasks}")
+    if baselines is None:
+        if cfg.check_null or cfg.check_ceiling or cfg.check_flat_slices:
+            notes.append("no null, base or sft rows given: the null, ceiling and flat-slice checks were not applied")
+        return refusals, notes
+    own = _task_means(candidate)
+    if cfg.check_null:
+        refusals += _null_rule(own, baselines.get("null"), cfg, boot, numbers, notes)
+    if cfg.check_ceiling:
+        refusals += _ceiling_rule(own, baselines.get("base"), cfg, numbers, notes)
+    if cfg.check_flat_slices:
+        models = {"candidate": candidate, **({} if champion is None else {"champion": champion}), **baselines}
+        refusals += _flat_slices(models, numbers, notes)
+    return refusals, notes
+
+
+def _covering(own: pd.Series, frame: pd.DataFrame | None, label: str, switch: str) -> tuple[pd.Series | None, str]:
+    """The baseline's task means on the candidate's tasks, or why there are none."""
+    if frame is None:
+        return None, (f"no {label} rows to compare the candidate with (gate.{switch}): evaluate again, or set "
+                      f"gate.{switch}: false")
+    means = _task_means(frame).reindex(own.index)
+    missing = int(means.isna().sum())
+    if missing:
+        return None, f"the {label} rows miss {missing} of the candidate's {len(own)} tasks (gate.{switch})"
+    return means, ""
+
+
+def _null_rule(own: pd.Series, null: pd.DataFrame | None, cfg: GateConfig, boot: dict, numbers: dict,
+               notes: list[str]) -> list[str]:
+    """The candidate must beat the null policy (an empty answer) by more than margin, paired lower bound."""
+    means, missing = _covering(own, null, "null-policy", "check_null")
+    if means is None:
+        return [missing]
+    diff = paired_bootstrap(own.to_numpy(), means.to_numpy(), **boot)
+    numbers["null"] = {"score": float(means.mean()), "pass_rate": float(null["passed"].astype(float).mean()),
+                       "diff": diff.estimate, "low": diff.low, "high": diff.high}
+    if diff.low > cfg.margin:
+        notes.append(f"beats the null policy (an empty answer, {means.mean():.4f}): diff {diff.estimate:+.4f}, "
+                     f"lower bound {diff.low:+.4f} > margin {cfg.margin}")
+        return []
+    return [f"the null policy (an empty answer) scores {means.mean():.4f}, within gate.margin {cfg.margin} of the "
+            f"candidate's {own.mean():.4f} (paired lower bound {diff.low:+.4f}): the rubric rewards doing nothing"]
+
+
+def _ceiling_rule(own: pd.Series, base: pd.DataFrame | None, cfg: GateConfig, numbers: dict,
+                  notes: list[str]) -> list[str]:
+    """Base must leave room: even a perfect candidate's candidate - base (1 - base) must exceed margin."""
+    means, missing = _covering(own, base, "base-model", "check_ceiling")
+    if means is None:
+        return [missing]
+    room = 1.0 - float(means.mean())
+    numbers["base"] = {"score": float(means.mean()), "pass_rate": float(base["passed"].astype(float).mean()),
+                       "room": room}
+    if room > cfg.margin + _TOLERANCE:
+        notes.append(f"base scores {means.mean():.4f}: room {room:.4f} > margin {cfg.margin}")
+        return []
+    return [f"base is already at the ceiling ({means.mean():.4f}): candidate - base is at most {room:.4f}, which "
+            f"cannot clear gate.margin {cfg.margin} whatever the candidate does"]
+
+
+def _flat_slices(models: dict[str, pd.DataFrame], numbers: dict, notes: list[str]) -> list[str]:
+    """Slices on which every model scored has the same mean reward: they cannot tell models apart."""
+    means = pd.DataFrame({label: frame.groupby("slice")["reward"].mean() for label, frame in models.items()})
+    flat = {str(name): float(row.iloc[0]) for name, row in means.dropna().iterrows()
+            if row.max() - row.min() <= _TOLERANCE}
+    numbers["flat_slices"] = flat
+    if not flat:
+        notes.append(f"every slice tells the models apart ({', '.join(models)})")
+        return []
+    return [f"slice '{name}': every model ({', '.join(models)}) scores {value:.4f}, so it cannot tell them apart"
+            for name, value in flat.items()]
 
 
 def _absolute_rules(candidate: pd.DataFrame, cfg: GateConfig, boot: dict) -> GateDecision:
@@ -208,13 +314,16 @@ def _cost_rule(candidate: pd.DataFrame, champion: pd.DataFrame, cfg: GateConfig,
 
 
 def decide(candidate: pd.DataFrame, champion: pd.DataFrame | None, cfg: GateConfig,
-           flags: list[str] | tuple[str, ...] = ()) -> GateDecision:
+           flags: list[str] | tuple[str, ...] = (),
+           baselines: Mapping[str, pd.DataFrame] | None = None) -> GateDecision:
     """Apply the gate rules; never raises: any error is a failed decision that says what went wrong.
 
     flags: reasons the candidate is refused whatever its scores (the RL reward-hacking monitor's verdict).
+    baselines: label -> eval rows of the models scored beside it on the same tasks (BASELINES: null, base, sft),
+    which the measurability checks read; a label they need that is missing fails closed.
     """
     try:
-        decision = _decide(candidate, champion, cfg)
+        decision = _decide(candidate, champion, cfg, baselines)
         if flags:
             decision.passed = False
             decision.reasons.extend(f"flagged: {flag}" for flag in flags)
@@ -222,7 +331,7 @@ def decide(candidate: pd.DataFrame, champion: pd.DataFrame | None, cfg: GateConf
         # Last line of defence: a NaN that slipped through must not read as a pass.
         if decision.passed and not all(math.isfinite(v) for v in _floats(decision.numbers)):
             reasons = decision.reasons + ["a gate number is NaN or infinite"]
-            return GateDecision(False, reasons, decision.numbers)
+            return GateDecision(False, reasons, decision.numbers, decision.refusals)
         return decision
     except Exception as err:  # noqa: BLE001 -- fail closed: an error in the gate means no promotion
         return GateDecision(False, [f"gate error: {type(err).__name__}: {err}"])

@@ -1,24 +1,82 @@
-"""Run a checkpoint on held-out tasks through the one harness; check that no held-out prompt was trained on."""
+"""Run a policy on held-out tasks through the one harness; check that no held-out prompt was trained on."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Episode, run_episodes
 from flywheel.contract import Environment, Task, conversation_hash, prompt_hash
-from flywheel.policies.base import Sampling
+from flywheel.policies.base import Policy, Sampling
 
 
 class ContaminationError(RuntimeError):
     """Held-out prompts appear in training data: the eval would flatter the model, so it refuses to run."""
 
 
+class NoHeldoutError(ValueError):
+    """A pipeline whose tasks hold none in the held-out split: there is nothing to evaluate on."""
+
+
+def require_heldout(pipeline: str, split: Iterable[str], path: Path) -> None:
+    """Raise NoHeldoutError naming the pipeline and why when no task is held out (before any model is loaded)."""
+    splits = list(split)
+    if "heldout" not in splits:
+        raise NoHeldoutError(f"pipeline '{pipeline}' has no held-out tasks to evaluate on: {path} holds "
+                             f"{len(splits)} task(s), none in split 'heldout'; raise environment.heldout_tasks or "
+                             "collect.heldout_fraction in pipelines.yaml and run collect again")
+
+
+@dataclass
+class Scored:
+    """One policy's rows of the eval table, and what was left out of them."""
+
+    rows: list[dict]
+    user_errors: int = 0  # episodes whose simulated user failed: they say nothing about the policy
+    unanswered: int = 0  # tasks the policy never answered (an endpoint that failed past its retries)
+    failure: str = ""  # why, for the unanswered ones
+
+
+def evaluate_policy(policy: Policy, env: Environment, tasks: list[Task], label: str, *, max_turns: int,
+                    tool_timeout_s: float, samples: int = 0, temperature: float = 1.0, seed: int = 0,
+                    prices: tuple[float, float] = (0.0, 0.0), chunk: int | None = None,
+                    failures: tuple[type[BaseException], ...] = (), max_tokens: int | None = None) -> Scored:
+    """Rows of the eval table: a greedy episode per task (sample 0), then `samples` seeded sampled ones (1..k).
+
+    prices: USD per million prompt and completion tokens (the cost_usd column). Tasks run `chunk` at a time
+    (default: all together); a chunk whose policy raised one of `failures` (an endpoint down past its retries) is
+    counted unanswered and the rest go on. Episodes of a failed simulated user are left out and counted.
+    """
+    scored = Scored([])
+    step = chunk or max(len(tasks), 1)
+    for start in range(0, len(tasks), step):
+        part = tasks[start:start + step]
+        try:
+            episodes = run_episodes(env, policy, part, samples=1, sampling=Sampling(temperature=0.0),
+                                    max_turns=max_turns, tool_timeout_s=tool_timeout_s, max_tokens=max_tokens)
+            if samples:
+                sampled = run_episodes(env, policy, part, samples=samples,
+                                       sampling=Sampling(temperature=temperature, seed=seed),
+                                       max_turns=max_turns, tool_timeout_s=tool_timeout_s, max_tokens=max_tokens)
+                for episode in sampled:
+                    episode.sample += 1
+                episodes += sampled
+        except failures as err:
+            scored.unanswered += len(part)
+            scored.failure = f"{type(err).__name__}: {err}"
+            continue
+        scored.user_errors += sum(not e.scored for e in episodes)
+        scored.rows += [_row(label, e, prices) for e in episodes if e.scored]
+    return scored
+
+
 def evaluate_model(model_dir: Path, env: Environment, tasks: list[Task], label: str, *, max_turns: int,
                    tool_timeout_s: float, batch_size: int, samples: int = 0, temperature: float = 1.0,
-                   seed: int = 0, device: str = "auto", chat_template: str | None = None) -> list[dict]:
-    """Rows of the eval table: a greedy episode per task (sample 0), then `samples` seeded sampled ones (1..k).
+                   seed: int = 0, device: str = "auto", chat_template: str | None = None,
+                   prices: tuple[float, float] = (0.0, 0.0), max_tokens: int | None = None) -> Scored:
+    """evaluate_policy on a checkpoint folder, loaded with transformers.
 
     device: student.device (auto: a CUDA GPU when one is visible, else the CPU); chat_template: rendered with in
     place of the checkpoint's own (a base judged in its trained versions' format).
@@ -28,34 +86,39 @@ def evaluate_model(model_dir: Path, env: Environment, tasks: list[Task], label: 
     policy = HFPolicy(model_dir, batch_size=batch_size, device=device)
     if chat_template:
         policy.tokenizer.chat_template = chat_template
-    episodes = run_episodes(env, policy, tasks, samples=1, sampling=Sampling(temperature=0.0),
-                            max_turns=max_turns, tool_timeout_s=tool_timeout_s)
-    if samples:
-        sampled = run_episodes(env, policy, tasks, samples=samples,
-                               sampling=Sampling(temperature=temperature, seed=seed),
-                               max_turns=max_turns, tool_timeout_s=tool_timeout_s)
-        for episode in sampled:
-            episode.sample += 1
-        episodes += sampled
-    return [{"model": label, "task_id": e.task.task_id, "sample": e.sample, "reward": e.reward,
-             "passed": e.passed, "slice": e.task.slice, "tokens": sum(_tokens(c) for c in e.completions),
-             "latency_s": float(sum(c.latency_s for c in e.completions))} for e in episodes]
+    return evaluate_policy(policy, env, tasks, label, max_turns=max_turns, tool_timeout_s=tool_timeout_s,
+                           samples=samples, temperature=temperature, seed=seed, prices=prices, max_tokens=max_tokens)
 
 
-def _tokens(completion) -> int:
-    if completion.token_ids is not None:
-        return len(completion.token_ids)
-    return int(completion.usage.get("completion_tokens", 0))
+def _row(label: str, episode: Episode, prices: tuple[float, float]) -> dict:
+    prompt = sum(int(c.usage.get("prompt_tokens", 0)) for c in episode.completions)
+    return {"model": label, "task_id": episode.task.task_id, "sample": episode.sample, "reward": episode.reward,
+            "passed": episode.passed, "slice": episode.task.slice, "tokens": episode.tokens,
+            "latency_s": float(sum(c.latency_s for c in episode.completions)),
+            "cost_usd": (prompt * prices[0] + episode.tokens * prices[1]) / 1e6}
 
 
-def check_contamination(heldout: list[Task], training: dict[str, Iterable[str]]) -> None:
-    """Raise ContaminationError naming the held-out ids whose prompt hash appears in any training set."""
+def check_contamination(heldout: list[Task], training: dict[str, Iterable[str]],
+                        groups: dict[str, Iterable[str]] | None = None) -> None:
+    """Raise ContaminationError naming the held-out ids whose prompt hash appears in any training set, or whose
+    group (the scenario, collect.group_by) any training set's tasks share: another attempt at the same scenario
+    is the same test."""
     by_hash = {prompt_hash(t.prompt): t.task_id for t in heldout}
+    by_group: dict[str, list[str]] = {}
+    for task in heldout:
+        if task.group:
+            by_group.setdefault(task.group, []).append(task.task_id)
     hits = []
     for name, hashes in training.items():
         found = sorted({by_hash[h] for h in hashes if h in by_hash})
         if found:
             hits.append(f"{name}: {len(found)} held-out task(s), e.g. {', '.join(found[:5])}")
+    for name, trained in (groups or {}).items():
+        shared = sorted({g for g in trained if g in by_group})
+        if shared:
+            ids = sorted({i for g in shared for i in by_group[g]})
+            hits.append(f"{name}: {len(ids)} held-out task(s) of a scenario trained on (group "
+                        f"{', '.join(shared[:5])}), e.g. {', '.join(ids[:5])}")
     if hits:
         raise ContaminationError("held-out prompts found in training data; refusing to evaluate: " + "; ".join(hits))
 

@@ -9,6 +9,7 @@ from flywheel.policies.base import Completion, Policy, Sampling
 __all__ = ["POLICIES", "Completion", "Policy", "Sampling", "get_policy"]
 
 POLICIES = {
+    "null": ("flywheel.policies.null", "NullPolicy"),
     "oracle": ("flywheel.policies.oracle", "OraclePolicy"),
     "hf": ("flywheel.policies.hf", "HFPolicy"),
     "openai": ("flywheel.policies.openai", "OpenAIPolicy"),

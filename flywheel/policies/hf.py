@@ -89,7 +89,8 @@ class HFPolicy:
         logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1).gather(1, new_tokens[:, i:i + 1]).squeeze(1)
                                 for i, s in enumerate(out.scores)], dim=1)
         completions = []
-        for row, row_logprobs in zip(new_tokens.tolist(), logprobs.tolist(), strict=True):
+        prompts = batch["attention_mask"].sum(dim=1).tolist()
+        for row, row_logprobs, prompt in zip(new_tokens.tolist(), logprobs.tolist(), prompts, strict=True):
             ended = tok.eos_token_id in row
             length = row.index(tok.eos_token_id) + 1 if ended else len(row)
             ids = row[:length]
@@ -97,5 +98,6 @@ class HFPolicy:
             completion = parse_completion(text)
             completion.token_ids = ids
             completion.logprobs = row_logprobs[:length]
+            completion.usage = {"prompt_tokens": int(prompt), "completion_tokens": len(ids)}
             completions.append(completion)
         return completions

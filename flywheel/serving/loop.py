@@ -29,13 +29,13 @@ class Round:
     number: int
     version: str
     collected_new: int  # traces this round's retrain collected that it had not seen (the last round's traffic)
-    heldout_success: float  # the champion's held-out success after this round's retrain (greedy)
+    heldout_reward: float  # the champion's held-out mean reward after this round's retrain (greedy)
     answers: int  # requests the server answered (each one a trace record)
     episodes: int
     passed: int
 
     def text(self) -> str:
-        return (f"round {self.number}: champion version {self.version}; held-out success {self.heldout_success:.3f}; "
+        return (f"round {self.number}: champion version {self.version}; held-out mean reward {self.heldout_reward:.3f}; "
                 f"new traces collected {self.collected_new}; served {self.answers} answers to {self.episodes} "
                 f"episodes ({self.passed} solved), recorded for the next collect")
 
@@ -86,7 +86,7 @@ def run_round(pipeline: str, root: Path, folder: Path, summary: dict, number: in
     # the champion was evaluated as "champion" unless it is this run's candidate (promoted, or the same model)
     champion_is_candidate = summary.get("champion") == summary.get("version") or "score_champion" not in scores
     score = scores["score_rl"] if champion_is_candidate else scores["score_champion"]
-    return Round(number=number, version=version, collected_new=_collected_new(summary), heldout_success=float(score),
+    return Round(number=number, version=version, collected_new=_collected_new(summary), heldout_reward=float(score),
                  answers=answers, episodes=len(done), passed=sum(e.passed for e in done))
 
 

@@ -27,7 +27,8 @@ _EXECUTION_KEYS = {"steps", "checkpoint_every", "actors", "learner_threads", "ac
                    "actor_devices", "monitor_every", "monitor_tasks", "max_audit_drop"}
 
 
-def fingerprint(model_dir: Path, tasks: list[Task], cfg: RLConfig, env_name: str, max_turns: int) -> str:
+def fingerprint(model_dir: Path, tasks: list[Task], cfg: RLConfig, env_name: str, max_turns: int,
+                max_tokens: int | None = None) -> str:
     """A hash of what a run's results depend on: the start checkpoint's files, the tasks and the config."""
     digest = hashlib.sha256(str(model_dir).encode())
     if Path(model_dir).is_dir():
@@ -38,7 +39,7 @@ def fingerprint(model_dir: Path, tasks: list[Task], cfg: RLConfig, env_name: str
     # a decaying learning rate ends at the last step: there the number of steps changes every step's rate
     execution = _EXECUTION_KEYS - ({"steps"} if cfg.lr_schedule != "constant" else set())
     digest.update(json.dumps(cfg.model_dump(exclude=execution), sort_keys=True).encode())
-    digest.update(f"{env_name}:{max_turns}".encode())
+    digest.update(f"{env_name}:{max_turns}".encode() + (f":{max_tokens}".encode() if max_tokens else b""))
     return digest.hexdigest()[:16]
 
 

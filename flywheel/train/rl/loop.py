@@ -23,7 +23,7 @@ import torch
 
 from flywheel.config import RLConfig
 from flywheel.contract import Environment, Task
-from flywheel.metrics import RL_LAST_REWARD, RL_REWARD
+from flywheel.metrics import RL_LAST_REWARD, RL_REWARD, RL_SKIPPED_SHARE, RL_UPDATES
 from flywheel.train.rl.batch import Group, advantages_of, collate, samples_of
 from flywheel.train.rl.checkpoints import Checkpoints, fingerprint
 from flywheel.train.rl.generation import Actors, InProcess, Snapshots
@@ -32,7 +32,9 @@ from flywheel.train.rl.monitor import Monitor
 from flywheel.train.rl.selection import Selection, validation_split
 from flywheel.train.rl.source import Work, filtered_work, task_stream, work_items
 
-__all__ = ["task_stream", "train_rl"]
+__all__ = ["NO_UPDATES_FILE", "no_update_warning", "task_stream", "train_rl"]
+
+NO_UPDATES_FILE = "no_updates.json"  # data/<p>/rl/: why RL changed nothing ("" when it did); evaluate reports it
 
 
 def _rows(step: int, version: int, groups: list[Group], advantages: dict[int, list[float] | None],
@@ -107,7 +109,7 @@ class _Timing:
 def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig, out_dir: Path,
              max_turns: int, on_step: Callable[[int, dict], None] | None = None,
              checkpoint_dir: Path | None = None, device: str = "auto",
-             monitor: Monitor | None = None) -> tuple[list[dict], dict]:
+             monitor: Monitor | None = None, max_tokens: int | None = None) -> tuple[list[dict], dict]:
     """GRPO-family RL from the checkpoint in model_dir; saves to out_dir; returns (rollout rows, summary).
 
     Checkpoints go to checkpoint_dir (default: `rl-checkpoints` beside out_dir); a killed run resumes there.
@@ -115,7 +117,8 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     monitor: audits the live policy every cfg.monitor_every steps (flywheel/train/rl/monitor.py); its checks
     stay on it for the caller's report, and its numbers join the step metrics and the summary.
     cfg.keep_best: the output is the version that did best on a validation sample of `tasks`, which RL then
-    never draws (flywheel/train/rl/selection.py), not the last.
+    never draws (flywheel/train/rl/selection.py), not the last. max_turns, max_tokens: where an episode is cut
+    (environment.max_turns, max_episode_tokens).
     """
     from flywheel.checkpoints import save_student
     from flywheel.devices import resolve_device
@@ -126,7 +129,7 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     torch.set_num_threads(cfg.learner_threads)
     validation, tasks = validation_split(tasks, cfg)
     checkpoints = Checkpoints(checkpoint_dir or Path(out_dir).parent / "rl-checkpoints",
-                              fingerprint(Path(model_dir), tasks, cfg, env.name, max_turns))
+                              fingerprint(Path(model_dir), tasks, cfg, env.name, max_turns, max_tokens))
     run = _start(model_dir, cfg, checkpoints, learner_device)
     model, tokenizer, rows, history = run.model, run.tokenizer, run.rows, run.history
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -138,8 +141,8 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     pending = {item.step: item for item in work}
     snapshots = Snapshots(cfg.max_staleness, model, run.first, run.behaviour)
     source = (Actors(model_dir, env, model, cfg, max_turns, snapshots, run.first, work, device,
-                     final=len(work) == cfg.steps - run.first) if cfg.actors
-              else InProcess(env, model, tokenizer, cfg, max_turns, snapshots, run.first))
+                     final=len(work) == cfg.steps - run.first, max_tokens=max_tokens) if cfg.actors
+              else InProcess(env, model, tokenizer, cfg, max_turns, snapshots, run.first, max_tokens))
     watch = _Watch(monitor, model, tokenizer, run.monitor)
     selection = _Select(env, validation, cfg, max_turns, model, tokenizer, run)
     if run.first == 0:
@@ -267,17 +270,20 @@ def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig
     generate_s = sum(g.generate_s for g in groups + stale)
     idle_s = sum(g.idle_s for g in groups + stale)
     step_s = wait_s + learn_s
+    skipped = sum(len({r.reward for r in g.rollouts}) == 1 for g in groups)
     metrics = {RL_REWARD: float(rewards.mean()), "reward_std": float(rewards.std()),
                "pass_rate": float(np.mean([r.passed for r in rollouts])) if rollouts else 0.0,
                "groups": len(groups), "dropped_groups": len(stale),
-               "skipped_groups": sum(len({r.reward for r in g.rollouts}) == 1 for g in groups),
+               "skipped_groups": skipped,
+               # groups whose rewards were all equal carry no signal: at 1.0 the step learned nothing
+               RL_SKIPPED_SHARE: skipped / len(groups) if groups else 1.0,
                "split_rollouts": sum(r.split for r in rollouts),
                **{f"staleness_{k}": staleness.count(k) for k in range(cfg.max_staleness + 1)},
                "loss": stats.get("loss", float("nan")), "clip_fraction": stats.get("clip_fraction", 0.0),
                "ratio_mean": stats.get("ratio_mean", 1.0), "ratio_max": stats.get("ratio_max", 1.0),
                "is_weight_mean": stats.get("is_weight_mean", 1.0), "is_weight_max": stats.get("is_weight_max", 1.0),
                "kl_behaviour": stats.get("kl_behaviour", 0.0),
-               "grad_norm": stats.get("grad_norm", 0.0), "updates": stats.get("updates", 0),
+               "grad_norm": stats.get("grad_norm", 0.0), RL_UPDATES: stats.get("updates", 0),
                "learner_idle_fraction": wait_s / max(step_s, 1e-9),
                "actor_idle_fraction": idle_s / max(idle_s + generate_s, 1e-9),
                # assistant tokens generated (and learned from) per second of the learner's step
@@ -301,6 +307,31 @@ def _summary(cfg: RLConfig, rows: list[dict], history: list[dict], timing: _Timi
         summary |= {"reward_mean_first": history[0][RL_REWARD], RL_LAST_REWARD: history[-1][RL_REWARD],
                     "pass_rate_mean": float(np.mean([m["pass_rate"] for m in history])),
                     "skipped_groups": int(sum(m["skipped_groups"] for m in history)),
+                    RL_SKIPPED_SHARE: float(sum(m["skipped_groups"] for m in history))
+                    / max(sum(m["groups"] for m in history), 1),
+                    RL_UPDATES: int(sum(m[RL_UPDATES] for m in history)),
                     "dropped_groups": int(sum(m["dropped_groups"] for m in history)),
                     "split_rollouts": int(sum(m["split_rollouts"] for m in history))}
     return summary
+
+
+def no_update_warning(summary: dict, model_dir: Path, out_dir: Path) -> str:
+    """Why an RL run changed nothing, or "": no optimiser update (every group's rewards were equal), or weights
+    byte-identical to the checkpoint it started from."""
+    if summary.get(RL_UPDATES) == 0:
+        share = summary.get(RL_SKIPPED_SHARE)
+        groups = "" if share is None else f"; {share:.0%} of its groups had equal rewards, so no signal"
+        return f"RL made 0 optimiser updates in {summary.get('steps', 0)} steps{groups}: the RL model is the SFT model"
+    if _same_weights(Path(model_dir), Path(out_dir)):
+        return "RL's output weights are byte-identical to its input (the SFT checkpoint): RL changed nothing"
+    return ""
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    """Whether two checkpoint folders hold the same safetensors files, byte for byte."""
+    import filecmp
+
+    names = sorted(p.relative_to(a) for p in a.rglob("*.safetensors"))
+    if not names or names != sorted(p.relative_to(b) for p in b.rglob("*.safetensors")):
+        return False
+    return all(filecmp.cmp(a / n, b / n, shallow=False) for n in names)
