@@ -548,8 +548,9 @@ def _print_summary(summary: dict, root: Path, seconds: float) -> None:
         console.print(reference_line(name, ref))
     for warning in summary.get("warnings", []):
         console.print(f"[yellow]warning:[/] {warning}")
+    champion = f"champion is version {summary['champion']}" if summary["champion"] else "no champion yet"
     console.print(f"registered: {summary['pipeline']} version {summary['version']} "
-                  f"(aliases: {', '.join(summary['aliases']) or 'none'}); champion is version {summary['champion']}")
+                  f"(aliases: {', '.join(summary['aliases']) or 'none'}); {champion}")
     console.print(f"stages run: {', '.join(summary['ran']) or 'none'}; cached: {', '.join(summary['cached']) or 'none'}"
                   f"; {seconds:.0f}s")
     state = root / ".flywheel"

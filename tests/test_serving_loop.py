@@ -24,8 +24,8 @@ def test_two_rounds_serve_the_champion_and_collect_its_traffic(project, prefect_
     result = CliRunner().invoke(app, ["loop", "small", "--rounds", "2", "--episodes", "6", "--no-push",
                                       "--root", str(project)])
     assert result.exit_code == 0, result.output + repr(result.exception)
-    rounds = re.findall(r"round (\d): champion version (\d+); held-out mean reward ([\d.]+); new traces collected (\d+); "
-                        r"served (\d+) answers to (\d+) episodes", result.output)
+    rounds = re.findall(r"round (\d): champion version (\d+); held-out mean reward ([\d.]+); "
+                        r"new traces collected (\d+); served (\d+) answers to (\d+) episodes", result.output)
     assert [r[0] for r in rounds] == ["1", "2"], result.output
     assert int(rounds[0][4]) >= 6 and int(rounds[0][5]) == 6
     assert int(rounds[1][3]) > 0  # round 2's collect read what round 1 served

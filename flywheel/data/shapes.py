@@ -60,8 +60,8 @@ _DEFAULTS = {
               "score": ["score"], "id": ["id", "response.id"], "time": ["timestamp", "response.created"],
               "scenario": ["scenario"], "expected_actions": ["expected_actions"]},
 }
-# Parts a source may name that a record may lack: the task falls back (recorded user turns, recorded writes)
 _DEFAULTS["mapped"] = _DEFAULTS["chat"]
+# Parts a source may name that a record may lack: its task falls back (recorded user turns, recorded writes)
 _OPTIONAL = ("scenario", "expected_actions")
 
 

@@ -35,9 +35,10 @@ class Round:
     passed: int
 
     def text(self) -> str:
-        return (f"round {self.number}: champion version {self.version}; held-out mean reward {self.heldout_reward:.3f}; "
-                f"new traces collected {self.collected_new}; served {self.answers} answers to {self.episodes} "
-                f"episodes ({self.passed} solved), recorded for the next collect")
+        return (f"round {self.number}: champion version {self.version}; "
+                f"held-out mean reward {self.heldout_reward:.3f}; new traces collected {self.collected_new}; "
+                f"served {self.answers} answers to {self.episodes} episodes ({self.passed} solved), recorded for the "
+                "next collect")
 
 
 def check_sources(pipeline: str, cfg: PipelineConfig, root: Path, folder: Path) -> None:
