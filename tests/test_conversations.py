@@ -92,33 +92,3 @@ def test_the_contamination_check_refuses_a_scenario_trained_on_in_another_attemp
     with pytest.raises(ContaminationError, match="scenario trained on .*s-7.*t-held"):
         check_contamination([held], {"sft": [prompt_hash(other)]}, groups={"sft": ["s-7"]})
 
-
-def test_rl_leaves_an_episode_whose_user_failed_out_of_its_group(tiny_student):
-    from itertools import islice
-
-    from transformers import AutoTokenizer
-
-    from flywheel.agent import run_episodes
-    from flywheel.envs.calculator import CalculatorEnv
-    from flywheel.policies.oracle import OraclePolicy
-    from flywheel.train.encoding import encode_conversation
-    from flywheel.train.rl.batch import make_groups
-
-    env = CalculatorEnv()
-    tasks = list(islice(env.generate_tasks(0), 2))
-    episodes = run_episodes(env, OraclePolicy(env), tasks, samples=2)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_student)
-    for episode in episodes:  # the oracle's turns as a sampling policy's tokens (what RL encodes)
-        ids, mask = encode_conversation(tokenizer, episode.messages, env.tools(), 256)
-        runs = [[]]
-        for token, m, nxt in zip(ids, mask, [*mask[1:], 0], strict=True):
-            if m:
-                runs[-1].append(token)
-                if not nxt:
-                    runs.append([])
-        for completion, run in zip(episode.completions, runs, strict=False):
-            completion.token_ids, completion.logprobs = run, [-0.5] * len(run)
-    episodes[1].stop = "user_error"  # the first task's second sample: its user failed
-    episodes[2].stop = episodes[3].stop = "user_error"  # every sample of the second task
-    groups = make_groups(episodes, 2, tokenizer, env.tools(), 256, step=0, version=0)
-    assert [(g.index, len(g.rollouts)) for g in groups] == [(0, 1)]

@@ -149,14 +149,12 @@ def oracle_episodes(env, n_tasks: int, samples: int):
     return episodes
 
 
-def test_learner_starts_from_ratio_one_on_assistant_tokens_only(student):
-    env = CalculatorEnv()
-    model, tokenizer = load_student(student)
-    episodes = oracle_episodes(env, 4, 2)
-    for episode in episodes:  # what the policy "generated": exactly the tokens the template gives each turn
-        from flywheel.train.encoding import encode_conversation
+def as_sampled(episodes, tokenizer, tools: list[dict]):
+    """The oracle's episodes as if a policy had generated them: exactly the tokens the template gives each turn."""
+    from flywheel.train.encoding import encode_conversation
 
-        ids, mask = encode_conversation(tokenizer, episode.messages, env.tools(), 256)
+    for episode in episodes:
+        ids, mask = encode_conversation(tokenizer, episode.messages, tools, 256)
         runs = [[]]
         for token, m, nxt in zip(ids, mask, [*mask[1:], 0], strict=True):
             if m:
@@ -165,6 +163,23 @@ def test_learner_starts_from_ratio_one_on_assistant_tokens_only(student):
                     runs.append([])
         for completion, run in zip(episode.completions, runs, strict=False):
             completion.token_ids, completion.logprobs = run, [-0.5] * len(run)
+    return episodes
+
+
+def test_an_episode_whose_user_failed_is_left_out_of_its_group(student):
+    env = CalculatorEnv()
+    _, tokenizer = load_student(student)
+    episodes = as_sampled(oracle_episodes(env, 2, 2), tokenizer, env.tools())
+    episodes[1].stop = "user_error"  # the first task's second sample: its simulated user failed
+    episodes[2].stop = episodes[3].stop = "user_error"  # every sample of the second task
+    groups = make_groups(episodes, 2, tokenizer, env.tools(), 256, step=0, version=0)
+    assert [(g.index, len(g.rollouts)) for g in groups] == [(0, 1)]
+
+
+def test_learner_starts_from_ratio_one_on_assistant_tokens_only(student):
+    env = CalculatorEnv()
+    model, tokenizer = load_student(student)
+    episodes = as_sampled(oracle_episodes(env, 4, 2), tokenizer, env.tools())
     groups = make_groups(episodes, 2, tokenizer, env.tools(), 256, step=0, version=0)  # room: small tokenizer
     assert not any(r.split for g in groups for r in g.rollouts)
     samples = [s for g in groups for s in samples_of(g, advantages_of(g, "grpo"))]
