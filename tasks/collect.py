@@ -18,6 +18,7 @@ from flywheel.data.sources import FileReader, readers, remote_fingerprint
 from flywheel.data.tasksets import made_tasks, task_table
 from flywheel.data.trace_rows import collect as collect_traces
 from flywheel.data.trace_rows import gc_paused, system_allocator, table_rows
+from flywheel.envs import environment_sources
 from flywheel.stages import StageResult
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
@@ -65,7 +66,8 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
 
         read, bad = sum(found.records.values()), sum(found.bad.values())
         bad_fraction = bad / max(read, 1)
-        tasks_recipe = tasksets.recipe(env, cfg.environment, cfg.collect.heldout_fraction)
+        tasks_recipe = tasksets.recipe(env, cfg.environment, cfg.collect.heldout_fraction,
+                                       environment_sources(cfg.environment, root_path), root_path)
         same_tasks = since is not None and watermarks.saved_tasks_recipe(root_path, pipeline) == tasks_recipe
         if read or not same_tasks:
             catalog.write("quarantine", pd.DataFrame(found.quarantine, columns=list(Quarantine.to_schema().columns)))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cache, cached_property
 from pathlib import Path
 
 import flywheel
@@ -23,8 +25,12 @@ class StageSpec:
     name: str
     deps: tuple[str, ...]  # paths under the project root; "{p}" is the pipeline
     config: tuple[str, ...]  # sections of the pipeline's config
-    code: tuple[str, ...]  # source paths under the package root
     outs: tuple[str, ...]
+
+    @cached_property
+    def code(self) -> tuple[str, ...]:
+        """Source paths under the package root: the stage module and what it imports (stage_code)."""
+        return stage_code(self.name, self.config)
 
     def dep_paths(self, root: Path, pipeline: str, cfg: PipelineConfig) -> list[Path]:
         paths = [root / d.format(p=pipeline) for d in self.deps]
@@ -51,37 +57,92 @@ def _in_order(specs: list[StageSpec]) -> dict[str, StageSpec]:
     return {name: next(s for s in specs if s.name == name) for name in ORDER}
 
 
-_EPISODES = ("flywheel/agent.py", "flywheel/envs", "flywheel/policies", "flywheel/checkpoints.py",
-             "flywheel/devices.py")
-# how every stage starts, ends and says what it returns, and the environment contract it holds: part of every
-# stage's code
-_KERNEL = ("tasks/kernel.py", "flywheel/stages.py", "flywheel/contract.py")
 STAGES: dict[str, StageSpec] = _in_order([
-    StageSpec("collect", (), ("environment", "collect"),
-              ("tasks/collect.py", *_KERNEL, "flywheel/data", "flywheel/envs"), ("data/{p}/collect",)),
-    StageSpec("synthesize", ("data/{p}/collect",), ("environment", "teacher", "synthesize"),
-              ("tasks/synthesize.py", *_KERNEL, "tasks/progress.py", "flywheel/synthesis.py", "flywheel/data",
-               *_EPISODES),
-              ("data/{p}/synthesize",)),
-    StageSpec("sft", ("data/{p}/synthesize",), ("student", "sft"),
-              ("tasks/sft.py", *_KERNEL, "tasks/progress.py", "flywheel/data", "flywheel/train", "flywheel/devices.py",
-               "flywheel/metrics.py", "flywheel/checkpoints.py", "flywheel/policies/toolcalls.py"),
-              ("models/{p}/base", "models/{p}/sft")),
-    StageSpec("rl", ("data/{p}/collect", "models/{p}/sft"), ("environment", "rl"),
-              ("tasks/rl.py", *_KERNEL, "tasks/progress.py", "flywheel/data", "flywheel/train", "flywheel/metrics.py",
-               *_EPISODES),
-              ("models/{p}/rl", "data/{p}/rl")),
+    StageSpec("collect", (), ("environment", "collect"), ("data/{p}/collect",)),
+    StageSpec("synthesize", ("data/{p}/collect",), ("environment", "teacher", "synthesize"), ("data/{p}/synthesize",)),
+    StageSpec("sft", ("data/{p}/synthesize",), ("student", "sft"), ("models/{p}/base", "models/{p}/sft")),
+    StageSpec("rl", ("data/{p}/collect", "models/{p}/sft"), ("environment", "rl"), ("models/{p}/rl", "data/{p}/rl")),
     StageSpec("evaluate", ("data/{p}/collect", "data/{p}/synthesize", "data/{p}/rl", "models/{p}/base",
                            "models/{p}/sft", "models/{p}/rl"), ("environment", "evaluate", "gate"),
-              ("tasks/evaluate.py", *_KERNEL, "tasks/reports.py", "flywheel/data", "flywheel/evaluate",
-               "flywheel/train", *_EPISODES), ("data/{p}/evaluate",)),
+              ("data/{p}/evaluate",)),
     # collect: the input example is one of the tasks (a replay environment's come from the collected traces)
     StageSpec("register", ("data/{p}/collect", "models/{p}/rl", "data/{p}/evaluate"), ("gate",),
-              ("tasks/register.py", *_KERNEL, "flywheel/registry.py", "flywheel/promotion.py", "flywheel/evaluate",
-               "flywheel/serving/chat.py", "flywheel/serving/mlflow_model.py", "flywheel/policies/toolcalls.py",
-               "flywheel/checkpoints.py"),
               ("data/{p}/register",)),
 ])
+
+# --- a stage's code: the project's modules its module imports ------------------------------------------------
+
+PROJECT_PACKAGES = ("flywheel", "tasks")
+# Modules loaded by name at run time, which no import statement names, so the closure below cannot see them: the
+# environment `environment.name` names (flywheel/envs get_environment), built by every stage that reads the
+# `environment` section, and a policy backend by kind (flywheel/policies get_policy), by every stage whose code
+# imports get_policy. Such a stage depends on the whole folder: a new or edited module there may be the one it
+# loads (and what those modules import is followed like the rest).
+_ENVIRONMENTS, _POLICIES = "flywheel/envs", "flywheel/policies"
+_GET_POLICY = "flywheel.policies.get_policy"
+
+
+def module_file(name: str) -> Path | None:
+    """The source file of project module `name` (a package's __init__.py); None if it is none (or a name in one)."""
+    base = PACKAGE_ROOT.joinpath(*name.split("."))
+    return next((f for f in (base / "__init__.py", base.with_suffix(".py")) if f.is_file()), None)
+
+
+@cache
+def _imported(name: str) -> tuple[str, ...]:
+    """Every dotted name an import statement of module `name` names, anywhere in it (the project imports inside
+    functions too): `from a import b` names a.b (a module, or a name in a) and a."""
+    file = module_file(name)
+    package = name if file.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(file.read_text(), str(file))):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, one level up per dot after the first
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found += [base] + [f"{base}.{alias.name}" for alias in node.names]
+    return tuple(found)
+
+
+def imported_modules(roots: list[str]) -> tuple[set[str], set[str]]:
+    """(the project modules `roots` import, transitively, with the packages above each, whose __init__ runs
+    first; every dotted name their imports name, modules or not)."""
+    modules: set[str] = set()
+    names: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name in modules or name.partition(".")[0] not in PROJECT_PACKAGES or module_file(name) is None:
+            continue
+        modules.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))] + list(_imported(name))
+        names.update(_imported(name))
+    return modules, names
+
+
+def _folder_modules(folder: str) -> list[str]:
+    return [".".join(p.relative_to(PACKAGE_ROOT).with_suffix("").parts).removesuffix(".__init__")
+            for p in sorted((PACKAGE_ROOT / folder).rglob("*.py"))]
+
+
+@cache
+def stage_code(stage: str, config: tuple[str, ...]) -> tuple[str, ...]:
+    """A stage's code, derived: tasks/<stage>.py, then the project modules it imports (transitively, see
+    imported_modules) and the folders of what it loads by name, as paths under the package root."""
+    folders = [_ENVIRONMENTS] if "environment" in config else []
+    roots = [f"tasks.{stage}"] + [m for folder in folders for m in _folder_modules(folder)]
+    modules, names = imported_modules(roots)
+    if _GET_POLICY in names:
+        folders.append(_POLICIES)
+        modules, names = imported_modules(roots + _folder_modules(_POLICIES))
+    files = {str(module_file(m).relative_to(PACKAGE_ROOT)) for m in modules}
+    own = f"tasks/{stage}.py"
+    return (own, *sorted(f for f in files if f != own and not any(Path(f).is_relative_to(d) for d in folders)),
+            *folders)
 
 
 def code_hash(spec: StageSpec) -> str:
@@ -118,9 +179,11 @@ def output_hashes(stage: str, pipeline: str, root: Path) -> dict[str, str]:
 
 
 def env_deps(cfg: PipelineConfig, root: Path) -> list[str]:
-    """The environment's own source (a factory's module or package folder): relative to the root when inside it.
+    """The environment's own files (a factory's module or package folder, the files its `args` name: see
+    flywheel.envs.environment_sources), relative to the root when inside it.
 
-    Built-in environments add nothing: flywheel/envs is in the code of every stage that runs episodes."""
+    A built-in environment adds only what its args name: flywheel/envs is in the code of every stage that reads
+    the `environment` section (stage_code)."""
     root = Path(root).resolve()
     return [str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
             for p in environment_sources(cfg.environment, root)]

@@ -142,14 +142,18 @@ def to_arrow(rows: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=SCHEMA)
 
 
-def recipe(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float) -> str:
-    """What the tasks table is built from besides the traces: the environment's config and code, hashed."""
+def recipe(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, sources: Iterable[Path],
+           root: Path) -> str:
+    """What the tasks table is built from besides the traces, hashed: the environment's config and code, and
+    `sources`, its own files (flywheel.envs.environment_sources: a factory's folder, the task files it reads;
+    named relative to `root`). An edited task file is a new recipe: collect builds the tasks table again."""
     from flywheel.data.catalog import content_hash
 
     envs = Path(__file__).resolve().parents[1] / "envs"
     code = content_hash([envs, Path(__file__).resolve()], envs.parent)
+    own = content_hash(list(sources), root)
     config = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
-    return hashlib.sha256(f"{env.name}|{config}|{heldout_fraction}|{code}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{env.name}|{config}|{heldout_fraction}|{code}|{own}".encode()).hexdigest()[:16]
 
 
 def _generate(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, rows: dict[str, dict]) -> None:

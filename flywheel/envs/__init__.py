@@ -118,9 +118,10 @@ def load_environment(cfg, root: str | Path, pipeline: str | None = None) -> Envi
 
 
 def environment_sources(cfg, root: str | Path) -> list[Path]:
-    """The files an environment's behaviour comes from, for cache keys and dvc.yaml deps: the folder of the
-    package holding its module (or the module file when it is top-level). Built-ins: none beyond flywheel/envs,
-    which every stage that runs episodes depends on already."""
+    """The files an environment's behaviour comes from, for cache keys, collect's stored state and dvc.yaml deps:
+    the folder of the package holding a factory's module (or the module file when it is top-level), with the task
+    files it reads there, and every file or folder its `args` name (a task file given as an argument). Built-ins
+    add only what their args name: flywheel/envs is in the code of every stage that builds an environment."""
     key, target = _target(cfg.name, cfg.factory)
     module_name = target.partition(":")[0]
     root = Path(root).resolve()
@@ -140,6 +141,26 @@ def environment_sources(cfg, root: str | Path) -> list[Path]:
         path = origin.parent
     else:
         path = origin
-    if path == _BUILTIN_FOLDER or path.is_relative_to(_BUILTIN_FOLDER):
+    found = [] if path == _BUILTIN_FOLDER or path.is_relative_to(_BUILTIN_FOLDER) else [path]
+    for named in _named_paths(cfg.args, root):
+        # one inside another listed adds nothing (and DVC refuses overlapping deps)
+        if not any(named.is_relative_to(p) for p in found):
+            found = [p for p in found if not p.is_relative_to(named)] + [named]
+    return found
+
+
+def _named_paths(value, root: Path) -> list[Path]:
+    """The existing files and folders that strings in `args` (at any depth) name, as the task file reader finds
+    them (from the project root); never the root itself or a folder above it."""
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in _named_paths(v, root)]
+    if isinstance(value, (list, tuple)):
+        return [p for v in value for p in _named_paths(v, root)]
+    if not isinstance(value, str) or not value.strip() or "\n" in value:
         return []
-    return [path]
+    try:
+        path = (root / value).resolve()
+        exists = path.exists()
+    except (OSError, ValueError):  # not a path at all (too long, a NUL byte)
+        return []
+    return [path] if exists and not root.is_relative_to(path) else []
