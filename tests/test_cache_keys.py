@@ -119,8 +119,9 @@ def _project(root: Path, module: str, environment: dict) -> Path:
 
 
 def test_an_edited_task_file_changes_the_key_of_every_stage_that_runs_the_environment(tmp_path):
-    """In the factory's folder or named by `args` outside it: collect, synthesize, rl and evaluate rerun, SFT and
-    register do not; an edit elsewhere changes nothing."""
+    """In the factory's folder or named by `args` outside it: the keys of collect, synthesize, rl and evaluate
+    change, SFT's and register's own do not (register reruns only on evaluate's new output); an edit elsewhere
+    changes nothing."""
     root = _project(tmp_path, "keyed_env", {"args": {"tasks": "data_in/tasks.jsonl"}})
     (root / "data_in").mkdir()
     _tasks_file(root / "keyed_env" / "tasks.jsonl", "in")
