@@ -342,8 +342,6 @@ class CollectConfig(Section):
     @model_validator(mode="after")
     def _unique_names(self) -> CollectConfig:
         labels = [s.label for s in self.sources]
-        if not labels:
-            raise ValueError("sources is empty: name at least one place traces come from")
         twice = sorted({x for x in labels if labels.count(x) > 1})
         if twice:
             raise ValueError(f"sources named {twice} more than once: give each source its own `name`")
@@ -603,6 +601,10 @@ class PipelineConfig(Section):
         if self.teacher.policy == "none" and not self.synthesize.include_accepted_traces:
             raise ValueError("teacher.policy none: without a teacher the accepted traces are the only SFT "
                              "targets; set synthesize.include_accepted_traces: true")
+        if not self.collect.sources and (self.environment.name == "replay" or self.teacher.policy == "none"):
+            raise ValueError("collect.sources is empty, but this pipeline's tasks or targets come from traces "
+                             "(environment replay, or teacher.policy none): name at least one place traces come "
+                             "from")
         return self
 
     def section_hash(self, *names: str) -> str:

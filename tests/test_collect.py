@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
-from flywheel.config import CollectConfig
+from flywheel.config import CollectConfig, ConfigError, load_pipeline
 from flywheel.contract import prompt_hash, split_of
 from flywheel.data.catalog import Catalog, DataError
 from flywheel.data.redaction import Redactor
@@ -340,3 +341,26 @@ def test_tool_lists_kept_json_text_is_what_json_writes_for_each():
     assert timestamp("2026-02-28T23:59:59Z") == "2026-02-28T23:59:59Z"
     assert timestamp("2026-02-30T00:00:00Z") == "2026-02-30T00:00:00Z"
     assert timestamp("2026-02-28T23:59:59.000Z") == "2026-02-28T23:59:59Z"
+
+
+def test_an_environment_with_its_own_tasks_needs_no_trace_source(tmp_path, mlflow_store):
+    """`collect: {sources: []}`: the tasks are the environment's own; collect writes empty traces, dvc.yaml and
+    the cache key name no source; a pipeline whose tasks or targets come from traces still needs one."""
+    from tasks.collect import collect as stage
+    from tasks.spec import dvc_yaml, input_key
+
+    _project(tmp_path, "{sources: []}")
+    result = stage.fn(pipeline="small", root=str(tmp_path))
+    catalog = Catalog(tmp_path, "small")
+    tasks = catalog.read("tasks")
+    assert len(catalog.read("traces")) == 0 and set(tasks["origin"]) == {"generated"}
+    assert (tasks["split"] == "heldout").sum() > 0 and result.metrics["records"] == 0
+    assert "collect" in dvc_yaml(tmp_path)
+    assert input_key("collect", "small", tmp_path)  # nothing to fingerprint: still a key
+
+    replay = {"environment": {"name": "replay"}, "collect": {"sources": []}, "teacher": {"policy": "none"},
+              "synthesize": {"include_accepted_traces": True},
+              **{section: {} for section in ("student", "sft", "rl", "evaluate", "gate")}}
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"r": replay}}))
+    with pytest.raises(ConfigError, match="collect.sources is empty, but this pipeline's tasks"):
+        load_pipeline("r", tmp_path / "pipelines.yaml")

@@ -2,7 +2,8 @@
 
 Two typed tools over a per-episode SQLite database, tasks from tasks.jsonl next to this file, a two-part rubric
 (the database ends as it should, the answer states the order's status) and a scripted solver the oracle
-teacher runs. Used by pipelines.yaml's `shop` pipeline: `environment: {factory: "examples.envs.shop:make_env"}`.
+teacher runs. A pipeline uses it as `environment: {factory: "examples.envs.shop:make_env"}` (importable from the
+project root; tests/test_example_env.py runs the whole loop on it).
 """
 
 from __future__ import annotations
