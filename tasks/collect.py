@@ -99,11 +99,12 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
         metrics |= {f"redacted_{k}": v for k, v in found.redacted.items()}
         # a field the source names that a record lacks: its task falls back (recorded user turns and writes)
         metrics |= {f"missing_{k}": v for k, v in found.missing.items()}
-        metrics["warnings"] = len(found.warnings)
-        for line in found.warnings[:WARNINGS_SHOWN]:
+        warnings = found.warnings + _short_splits(tables.tasks, cfg, env.name)
+        metrics["warnings"] = len(warnings)
+        for line in warnings[:WARNINGS_SHOWN]:
             print(f"      collect: warning: {line}", flush=True)
-        if len(found.warnings) > WARNINGS_SHOWN:
-            print(f"      collect: ... and {len(found.warnings) - WARNINGS_SHOWN} more warnings", flush=True)
+        if len(warnings) > WARNINGS_SHOWN:
+            print(f"      collect: ... and {len(warnings) - WARNINGS_SHOWN} more warnings", flush=True)
         for label in (reader.source.label for reader in sources):
             metrics |= {f"source/{label}/records": found.records[label], f"source/{label}/traces": tables.new[label],
                         f"source/{label}/quarantined": found.bad[label]}
@@ -111,3 +112,18 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
         stage.run.tags({"flywheel.out.collect": digest,
                         "flywheel.collect.mode": "full" if since is None else "incremental"})
         return stage.done(metrics)
+
+
+def _short_splits(tasks, cfg: PipelineConfig, env_name: str) -> list[str]:
+    """A warning per split that got fewer of the environment's own tasks than the config asks for (a task file
+    smaller than train_tasks + heldout_tasks, split by a hash of each prompt); none for an environment with none."""
+    generated = Counter(split for split, origin in zip(tasks.column("split").to_pylist(),
+                                                       tasks.column("origin").to_pylist(), strict=True)
+                        if origin == "generated")
+    if not generated:
+        return []
+    wanted = {"train": cfg.environment.train_tasks, "heldout": cfg.environment.heldout_tasks}
+    return [f"environment '{env_name}' gave {generated[split]} {split} tasks, fewer than environment.{split}_tasks "
+            f"{n}: its tasks run out (each lands in a split by a hash of its prompt, held out at "
+            f"collect.heldout_fraction {cfg.collect.heldout_fraction})"
+            for split, n in wanted.items() if generated[split] < n]

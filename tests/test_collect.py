@@ -364,3 +364,18 @@ def test_an_environment_with_its_own_tasks_needs_no_trace_source(tmp_path, mlflo
     (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"r": replay}}))
     with pytest.raises(ConfigError, match="collect.sources is empty, but this pipeline's tasks"):
         load_pipeline("r", tmp_path / "pipelines.yaml")
+
+
+def test_fewer_tasks_than_asked_is_a_warning_with_both_numbers(tmp_path, mlflow_store, capsys):
+    from tasks.collect import collect as stage
+
+    _project(tmp_path, "{sources: []}")
+    config = yaml.safe_load((tmp_path / "pipelines.yaml").read_text())
+    config["pipelines"]["small"]["environment"] = {"factory": "examples.envs.shop:make_env", "train_tasks": 1000,
+                                                   "heldout_tasks": 5}  # a task file of a few dozen
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    result = stage.fn(pipeline="small", root=str(tmp_path))
+    tasks = Catalog(tmp_path, "small").read("tasks")
+    printed = capsys.readouterr().out
+    assert result.metrics["warnings"] == 1 and (tasks["split"] == "heldout").sum() == 5
+    assert f"gave {(tasks['split'] == 'train').sum()} train tasks, fewer than environment.train_tasks 1000" in printed
