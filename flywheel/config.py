@@ -605,6 +605,9 @@ class PipelineConfig(Section):
             raise ValueError("collect.sources is empty, but this pipeline's tasks or targets come from traces "
                              "(environment replay, or teacher.policy none): name at least one place traces come "
                              "from")
+        if not self.collect.sources and self.trigger is not None:
+            raise ValueError("trigger watches the trace sources for new traces, and collect.sources is empty: name "
+                             "a source, or drop the trigger (a schedule retrains on a clock)")
         return self
 
     def section_hash(self, *names: str) -> str:

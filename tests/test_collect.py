@@ -350,6 +350,7 @@ def test_an_environment_with_its_own_tasks_needs_no_trace_source(tmp_path, mlflo
     from tasks.spec import dvc_yaml, input_key
 
     _project(tmp_path, "{sources: []}")
+    config_text = (tmp_path / "pipelines.yaml").read_text()
     result = stage.fn(pipeline="small", root=str(tmp_path))
     catalog = Catalog(tmp_path, "small")
     tasks = catalog.read("tasks")
@@ -364,6 +365,11 @@ def test_an_environment_with_its_own_tasks_needs_no_trace_source(tmp_path, mlflo
     (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"r": replay}}))
     with pytest.raises(ConfigError, match="collect.sources is empty, but this pipeline's tasks"):
         load_pipeline("r", tmp_path / "pipelines.yaml")
+    watched = yaml.safe_load(config_text)
+    watched["pipelines"]["small"]["trigger"] = {"min_new_traces": 10}
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump(watched))
+    with pytest.raises(ConfigError, match="trigger watches the trace sources"):
+        load_pipeline("small", tmp_path / "pipelines.yaml")
 
 
 def test_fewer_tasks_than_asked_is_a_warning_with_both_numbers(tmp_path, mlflow_store, capsys):
