@@ -376,9 +376,19 @@ def test_fewer_tasks_than_asked_is_a_warning_with_both_numbers(tmp_path, mlflow_
     from tasks.collect import collect as stage
 
     _project(tmp_path, "{sources: []}")
+    # a factory of its own, named for this test: a shared name would stay imported from this folder for the
+    # next test in the process
+    (tmp_path / "few_tasks_env").mkdir()
+    (tmp_path / "few_tasks_env" / "__init__.py").write_text(
+        "from pathlib import Path\n\nfrom flywheel.envs.sdk import Env, tasks_from_file\n\n\n"
+        "def answer(text: str) -> str:\n    \"\"\"Answer.\"\"\"\n    return text\n\n\n"
+        "def make_env() -> Env:\n    return Env(name='few', tools=[answer], rewards=[lambda task, messages: 1.0],\n"
+        "               tasks=tasks_from_file(Path(__file__).parent / 'tasks.jsonl'))\n")
+    (tmp_path / "few_tasks_env" / "tasks.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"Say {i}.", "answer": str(i)}) + "\n" for i in range(80)))
     config = yaml.safe_load((tmp_path / "pipelines.yaml").read_text())
-    config["pipelines"]["small"]["environment"] = {"factory": "examples.envs.shop:make_env", "train_tasks": 1000,
-                                                   "heldout_tasks": 5}  # a task file of a few dozen
+    config["pipelines"]["small"]["environment"] = {"factory": "few_tasks_env:make_env", "train_tasks": 1000,
+                                                   "heldout_tasks": 5}  # a task file of 80
     (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump(config))
     result = stage.fn(pipeline="small", root=str(tmp_path))
     tasks = Catalog(tmp_path, "small").read("tasks")
