@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import sys
 import time
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -13,7 +17,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Turn an agent's traces into a better, cheaper model: distil, reinforce, gate, promote.")
 
 ROOT = typer.Option(Path("."), "--root", help="Project root holding pipelines.yaml and dvc.yaml.")
-RUN_IDS = typer.Argument(None, help="MLflow run ids of retrain runs (default: the last N).")
+RUN_IDS = typer.Argument(None, help="MLflow run ids of retrain runs, or their first characters as the tables "
+                                    "print them (default: the last N).")
 HTML = typer.Option(None, "--html", help="Also write an HTML report with plots to this file.")
 POLICY = typer.Option(..., "--policy", help="[LABEL=]SPEC, repeatable: a checkpoint folder, models:/NAME/VERSION, "
                       "models:/NAME@ALIAS, @ALIAS (this pipeline's model), openai:MODEL or null.")
@@ -39,7 +44,145 @@ def _checked_root(root: Path) -> Path:
     return root
 
 
+_invocation = {"debug": False, "command": ""}  # this invocation's app-level options and command (_options)
+
+
+@app.callback()
+def _options(ctx: typer.Context, debug: bool = typer.Option(
+        False, "--debug", envvar="FLYWHEEL_DEBUG",
+        help="Print tracebacks on the terminal (Prefect's and the command's) as they happen. Without it, a command "
+        "that fails (run, stage, eval, rerun, promote, loop) prints `error: STAGE: MESSAGE` (the message names the "
+        "file, key, task or prompt and the fix) and `full traceback: PATH`, the log under .flywheel/logs/ that "
+        "holds every traceback, and exits 1.")) -> None:
+    """Turn an agent's traces into a better, cheaper model: distil, reinforce, gate, promote."""
+    _invocation.update(debug=debug, command=ctx.invoked_subcommand or "")
+
+
+# Errors a user can fix (a config, an environment, a rubric, data, the gate): their message names the file, key,
+# task row or prompt and the fix, so it is all the terminal shows. Named by module and class, since those modules
+# load with the work, not with the CLI; tests/test_errors_cli.py checks that each name still imports.
+USER_ERRORS = (
+    "flywheel.config.ConfigError", "flywheel.envs.EnvironmentLoadError", "flywheel.envs.sdk.SchemaError",
+    "flywheel.envs.mcp.McpError", "flywheel.contract.RubricError", "flywheel.contract.UserError",
+    "flywheel.data.catalog.DataError", "flywheel.data.shapes.SourceError", "flywheel.data.dvc.DvcError",
+    "tasks.collect.TooManyBadRecords", "flywheel.policies.openai.TeacherError",
+    "flywheel.train.templates.ChatTemplateError", "flywheel.checkpoints.CheckpointError", "tasks.rl.NoUpdatesError",
+    "flywheel.evaluate.runner.NoHeldoutError", "flywheel.evaluate.runner.ContaminationError",
+    "flywheel.evaluate.arms.SpecError", "flywheel.promotion.PromotionError", "flywheel.reproduce.RerunError",
+    "flywheel.serving.loop.LoopError", "flywheel.serving.server.ServeError", "flows.deployments.DeployError",
+)
+_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where Prefect reports a failed flow or task run
+
+
+def _reported(command):
+    """A command whose errors print as one short block (`error: ...`, then where the traceback is) and exit 1;
+    with --debug they propagate as they are, every traceback on the terminal."""
+
+    @functools.wraps(command)
+    def reported(**kwargs):
+        if _invocation["debug"]:
+            return command(**kwargs)
+        name = _invocation["command"] or command.__name__
+        log = _CommandLog(kwargs.get("root", Path(".")), name)
+        try:
+            with _run_failures_logged(log):
+                return command(**kwargs)
+        except (typer.Exit, typer.Abort, typer.TyperException):
+            raise
+        except Exception as err:
+            log.handle(logging.makeLogRecord({"name": "flywheel", "levelno": logging.ERROR, "levelname": "ERROR",
+                                              "msg": f"flywheel {name} failed",
+                                              "exc_info": (type(err), err, err.__traceback__)}))
+            for line in error_block(err, Path(log.baseFilename)):
+                typer.secho(line, fg=typer.colors.RED, err=True)
+            raise typer.Exit(1) from None
+        finally:
+            log.close()
+
+    return reported
+
+
+def error_block(err: Exception, log: Path) -> list[str]:
+    """What the terminal shows of an error: `error: STAGE: MESSAGE` (a bug says so), then where its traceback is."""
+    stage = _stage_of(err)
+    where = f"{stage}: " if stage else ""
+    if any(f"{c.__module__}.{c.__qualname__}" in USER_ERRORS for c in type(err).__mro__):
+        return [f"error: {where}{err}", f"full traceback: {log}"]
+    return [f"error: {where}{type(err).__name__}: {err}",
+            "this is a bug, not bad input (in flywheel, or in code it calls such as an environment's): please "
+            "report it with the log", f"full traceback: {log}"]
+
+
+def _stage_of(err: BaseException) -> str | None:
+    """The pipeline stage an error was raised in (the innermost frame of a stage function, tasks/<stage>.py)."""
+    import traceback
+
+    from flywheel.stages import ORDER
+
+    stages = [frame.f_code.co_name for frame, _ in traceback.walk_tb(err.__traceback__)
+              if frame.f_code.co_name in ORDER and frame.f_globals.get("__name__") == f"tasks.{frame.f_code.co_name}"]
+    return stages[-1] if stages else None
+
+
+class _CommandLog(logging.FileHandler):
+    """A command's tracebacks: .flywheel/logs/<time>-<command>.log under the project root, made when first written."""
+
+    def __init__(self, root: Path, command: str):
+        from flywheel.settings import state_dir
+
+        path = state_dir(root) / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{command}.log"
+        super().__init__(path, delay=True, encoding="utf-8")
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        super().emit(record)
+
+
+class _RunFailuresToLog(logging.Filter):
+    """On a terminal handler: a Prefect run's failure report (an error or a traceback) goes to the command's log
+    instead, since the command says the error once; Prefect's API handler (its UI) still gets it."""
+
+    def __init__(self, log: logging.Handler):
+        super().__init__()
+        self.log = log
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name not in _RUN_LOGGERS or (record.levelno < logging.ERROR and not record.exc_info):
+            return True  # Prefect's progress lines stay
+        self.log.handle(record)
+        return False
+
+
+@contextmanager
+def _run_failures_logged(log: logging.Handler):
+    """While a command runs, Prefect's reports of a failed run go to `log`, not to the terminal."""
+    to_log = _RunFailuresToLog(log)
+    terminal = logging.getLogger()
+
+    def onto_terminal_handlers(record: logging.LogRecord) -> bool:
+        # Prefect makes its terminal handler (on the root logger) when it is imported, inside the command, after
+        # the project's settings are in place; its run loggers see a record before any handler does
+        for handler in terminal.handlers:
+            on_terminal = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+            if on_terminal and to_log not in handler.filters:
+                handler.addFilter(to_log)
+        return True
+
+    run_loggers = [logging.getLogger(name) for name in _RUN_LOGGERS]
+    for logger in run_loggers:
+        logger.addFilter(onto_terminal_handlers)
+    try:
+        yield
+    finally:
+        for logger in run_loggers:
+            logger.removeFilter(onto_terminal_handlers)
+        for handler in terminal.handlers:
+            handler.removeFilter(to_log)
+
+
 @app.command()
+@_reported
 def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yaml."), root: Path = ROOT,
         refresh: bool = typer.Option(False, "--refresh", help="Rerun every stage, ignoring the cache."),
         push: bool = typer.Option(True, "--push/--no-push", help="Push datasets to the DVC remote.")) -> None:
@@ -60,6 +203,7 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yam
 
 
 @app.command()
+@_reported
 def stage(name: str = typer.Argument(..., help="collect, synthesize, sft, rl, evaluate or register."),
           pipeline: str = typer.Option(..., "--pipeline", "-p"), root: Path = ROOT) -> None:
     """Run one stage directly, without Prefect (what dvc.yaml calls)."""
@@ -75,6 +219,7 @@ def stage(name: str = typer.Argument(..., help="collect, synthesize, sft, rl, ev
 
 
 @app.command()
+@_reported
 def promote(pipeline: str = typer.Argument(..., help="Pipeline name (the registered model's name)."),
             version: str | None = typer.Argument(None, help="Model version to make champion."),
             force: bool = typer.Option(False, "--force", help="Skip the gate; the move is tagged as forced."),
@@ -110,36 +255,30 @@ def compare(pipeline: str = typer.Argument(..., help="Pipeline name (the MLflow 
             runs: list[str] | None = RUN_IDS,
             last: int = typer.Option(5, "--last", min=1, help="How many of the newest retrain runs."),
             html: Path | None = HTML,
+            params: bool = typer.Option(False, "--params", help="Also list every param, one per line."),
             root: Path = ROOT) -> None:
-    """Compare retrain runs: data versions, key params, SFT/RL metrics, eval scores with intervals, gate."""
+    """Compare retrain runs: data versions, SFT/RL metrics, eval scores with intervals, gate; params on request."""
     from rich.console import Console
-    from rich.table import Table
 
     from flywheel import comparison
 
     _checked_root(root)
-    rows = comparison.retrain_runs(pipeline, last=last, run_ids=runs or None)
+    try:
+        rows = comparison.retrain_runs(pipeline, last=last, run_ids=runs or None)
+    except LookupError as err:
+        _fail(str(err))
     if not rows:
         _fail(f"no retrain runs of '{pipeline}' in MLflow ({os.environ['MLFLOW_TRACKING_URI']}); "
               f"run `flywheel run {pipeline}` first")
-    frame = comparison.summary_table(rows)
-    console = Console(width=max(160, Console().width))
-    # two tables, each run's id first in both: the runs, then their held-out scores (mean reward and pass rate)
-    scores = ["run", *comparison.SCORE_COLUMNS]
-    for title, columns in ((f"{pipeline}: the last {len(rows)} retrain runs",
-                            [c for c in frame.columns if c not in comparison.SCORE_COLUMNS]),
-                           ("held-out (greedy): mean reward and pass rate of each model", scores)):
-        table = Table(title=title)
-        for column in columns:
-            table.add_column(column, overflow="fold", no_wrap=column == "run")
-        for line in frame[columns].itertuples(index=False):
-            table.add_row(*[str(v) for v in line])
+    console = Console()  # the terminal's width (or COLUMNS): a run is one line from 100 columns, folds below
+    for table in comparison.terminal_tables(rows, pipeline, console.width, params=params):
         console.print(table)
     if html is not None:
         typer.echo(f"wrote {comparison.write_html(rows, html, pipeline)}")
 
 
 @app.command()
+@_reported
 def rerun(run_id: str = typer.Argument(..., help="MLflow run id of a retrain run (`flywheel compare` lists them)."),
           promote: bool = typer.Option(False, "--promote", help="Let the gate move champion, as a run would."),
           restore: list[str] = RESTORE,
@@ -239,6 +378,7 @@ def status(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.
 
 
 @app.command("eval")
+@_reported
 def eval_policies(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yaml: its held-out tasks."),
                   policy: list[str] = POLICY,
                   base_url: str | None = typer.Option(None, "--base-url", help="openai: the endpoint, e.g. "
@@ -291,31 +431,76 @@ def eval_policies(pipeline: str = typer.Argument(..., help="Pipeline name in pip
 
 
 @app.command()
-def check(root: Path = ROOT) -> None:
-    """Validate pipelines.yaml: every bad key or value is reported with its place in the file."""
+def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipelines.yaml (default: every one)."),
+          solve: bool = typer.Option(False, "--solve", help="Dry-run the environment: its scripted solver and the "
+                                     "null policy (an empty answer) over its tasks, through the real harness and "
+                                     "rubric; exits 1 on an error (a reward outside [0, 1], a tool that breaks)."),
+          sample: int | None = typer.Option(None, "--sample", min=1, help="With --solve: a seeded sample of N "
+                                            "tasks (default: every task collect would draw)."),
+          root: Path = ROOT) -> None:
+    """Validate pipelines.yaml (every bad key or value with its place in the file), build each environment and
+    count the tasks its split gives against what the config asks; with --solve, dry-run the environment."""
     from flywheel.config import ConfigError, load_pipelines
+    from flywheel.data.tasksets import own_tasks, short_splits
 
     try:
         pipelines = load_pipelines(root / "pipelines.yaml")
     except ConfigError as err:
         _fail(str(err))
-    _check_environments(root, pipelines)
+    if pipeline is not None and pipeline not in pipelines:
+        _fail(f"{root / 'pipelines.yaml'}: no pipeline '{pipeline}' (pipelines: {', '.join(sorted(pipelines))})")
+    chosen = pipelines if pipeline is None else {pipeline: pipelines[pipeline]}
+    built = _check_environments(root, chosen)
     stale = _stale_dvc_yaml(root)
     if stale:
         _fail(stale)
-    typer.echo(f"{root / 'pipelines.yaml'}: ok ({', '.join(sorted(pipelines))})")
+    typer.echo(f"{root / 'pipelines.yaml'}: ok ({', '.join(sorted(chosen))})")
+    for name, cfg in chosen.items():
+        if solve:
+            continue  # the dry run says it with the rest
+        splits = Counter(t.split for t in own_tasks(built[name], cfg.environment, cfg.collect.heldout_fraction))
+        for line in short_splits(built[name].name, splits, cfg.environment, cfg.collect.heldout_fraction):
+            typer.secho(f"  warning: pipelines.{name}: {line}", fg=typer.colors.YELLOW)
+    if solve and not _dry_run(root.resolve(), chosen, named=pipeline is not None, sample=sample):
+        raise typer.Exit(1)
 
 
-def _check_environments(root: Path, pipelines: dict) -> None:
-    """Build each pipeline's environment now: an unknown factory, an import error or a factory that raises is
-    an error naming the key, the module and the cause before any stage runs."""
+def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bool:
+    """`check --solve` over each pipeline's environment: its report printed; False when one has errors."""
+    from flywheel.dryrun import NoTasksError, dry_run, render
+    from flywheel.envs import load_environment
+    from flywheel.settings import configure
+
+    configure(root)
+    clean = True
+    for name, cfg in pipelines.items():
+        env = load_environment(cfg.environment, root, pipeline=name)  # replay: the pipeline's collected tasks
+        try:
+            report = dry_run(name, cfg, env, sample=sample)
+        except NoTasksError as err:
+            if named:
+                _fail(str(err))
+            typer.echo(f"pipeline '{name}': not dry-run: {err}")
+            continue
+        for line in render(report):
+            color = {"  error": typer.colors.RED, "  warning": typer.colors.YELLOW}.get(line.partition(":")[0])
+            typer.secho(line, fg=color)
+        clean = clean and not report.errors
+    return clean
+
+
+def _check_environments(root: Path, pipelines: dict) -> dict:
+    """Build each pipeline's environment now (returned by pipeline name): an unknown factory, an import error or
+    a factory that raises is an error naming the key, the module and the cause before any stage runs."""
     from flywheel.envs import EnvironmentLoadError, load_environment
 
+    built = {}
     for name, cfg in pipelines.items():
         try:
-            load_environment(cfg.environment, root.resolve())
+            built[name] = load_environment(cfg.environment, root.resolve())
         except EnvironmentLoadError as err:
             _fail(f"{root / 'pipelines.yaml'}: pipelines.{name}.{err}")
+    return built
 
 
 @app.command()
@@ -478,6 +663,7 @@ def serve_model(pipeline: str = typer.Argument(..., help="Pipeline name (the reg
 
 
 @app.command()
+@_reported
 def loop(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yaml."),
          rounds: int = typer.Option(2, "--rounds", min=1, help="Retrain, serve, drive the agent: this many times."),
          episodes: int = typer.Option(100, "--episodes", min=1, help="Agent episodes against the server per round."),

@@ -1,5 +1,5 @@
 """Retrain runs side by side, from MLflow: data versions, key params, SFT/RL metrics, eval scores (mean reward and
-pass rate), gate decisions."""
+pass rate), gate decisions; as tables for a terminal of 100 columns and up, or as one HTML report."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 from mlflow.exceptions import MlflowException
+from rich import box
+from rich.table import Table
 
 from flywheel.metrics import (
     FINAL,
@@ -37,22 +39,45 @@ PARAMS = ("sft.steps", "sft.lr", "rl.steps", "rl.lr", "rl.group_size", "rl.lr_sc
 CURVES = {"sft": SFT_LOSS, "rl": RL_REWARD}  # the learning curve each training stage logs per step
 MODELS = ("null", "base", "sft", "rl")  # the models of a run whose held-out scores the table shows
 # summary_table's held-out columns: each model's mean reward (the candidate's with its interval), then pass rates
-SCORE_COLUMNS = (*[f"{m} reward" for m in MODELS[:-1]], "rl reward [95% CI]", *[f"{m} pass" for m in MODELS],
-                 "vs champion")
+SCORE_COLUMNS = (*[f"{m} reward" for m in MODELS[:-1]], "rl reward [95% CI]", *[f"{m} pass" for m in MODELS])
+# `flywheel compare` in a terminal: summary_table's columns in tables narrow enough that a run is one line at 100
+# columns (the third only when a run fills it; the HTML report has them all in one table, with the key params)
+INPUT_DATA = ("collect", "synthesize")  # the datasets a run trains on, whose versions the first table shows
+RUN_COLUMNS = ("run", "started", "version", *[f"{d} data" for d in INPUT_DATA], "sft loss", "rl train reward", "gate")
+GATE_COLUMNS = ("vs champion", "cost saving", "audit", "reward-audit gap", "hacking")
+PARAM_CHARS = 30  # a longer param value (a list of sources...) is cut in the terminal; MLflow has it whole
+RETRAIN = "tags.`flywheel.stage` = 'retrain'"
 
 
 def retrain_runs(pipeline: str, last: int = 5, run_ids: list[str] | None = None) -> list[dict]:
-    """The last `last` retrain runs of the pipeline (or the runs named), newest first, one dict each."""
+    """The last `last` retrain runs of the pipeline, newest first, or the runs named (by id or its first
+    characters, as the tables print it), one dict each."""
     c = client()
+    experiment = c.get_experiment_by_name(pipeline)
     if run_ids:
-        parents = [c.get_run(r) for r in run_ids]
+        parents = [_named_run(pipeline, experiment, r) for r in run_ids]
+    elif experiment is None:
+        return []
     else:
-        experiment = c.get_experiment_by_name(pipeline)
-        if experiment is None:
-            return []
-        parents = c.search_runs([experiment.experiment_id], "tags.`flywheel.stage` = 'retrain'",
-                                order_by=["attributes.start_time DESC"], max_results=last)
+        parents = c.search_runs([experiment.experiment_id], RETRAIN, order_by=["attributes.start_time DESC"],
+                                max_results=last)
     return [_describe(pipeline, parent) for parent in parents]
+
+
+def _named_run(pipeline: str, experiment, run_id: str):
+    try:
+        return client().get_run(run_id)
+    except MlflowException:
+        pass  # not a whole id: the first characters of one
+    found = [] if experiment is None else [r for r in client().search_runs([experiment.experiment_id], RETRAIN)
+                                           if r.info.run_id.startswith(run_id)]
+    if not found:
+        raise LookupError(f"no retrain run of '{pipeline}' has an id starting with '{run_id}': give one that "
+                          f"`flywheel compare {pipeline}` lists")
+    if len(found) > 1:
+        raise LookupError(f"{len(found)} retrain runs of '{pipeline}' have an id starting with '{run_id}': "
+                          "give more of it")
+    return found[0]
 
 
 def _stage(parent, name: str):
@@ -77,7 +102,7 @@ def _describe(pipeline: str, parent) -> dict:
         run = _stage(parent, name)
         if run is None:
             continue
-        row["params"] |= {k: v for k, v in run.data.params.items() if k in PARAMS}
+        row["params"] |= run.data.params
         row["metrics"] |= {f"{name}.{k}": v for k, v in run.data.metrics.items()
                            if k.startswith((FINAL, SCORE, PASS_RATE, "gate_"))}
         if name in CURVES:
@@ -110,7 +135,7 @@ def summary_table(rows: list[dict]) -> pd.DataFrame:
         lines.append({
             "run": row["run_id"][:8], "started": row["started"].strftime("%Y-%m-%d %H:%M"),
             "version": row["version"], "data": " ".join(f"{k}:{v}" for k, v in sorted(row["data"].items())),
-            "params": " ".join(f"{k}={v}" for k, v in sorted(row["params"].items())),
+            "params": " ".join(f"{k}={v}" for k, v in sorted(row["params"].items()) if k in PARAMS),
             "sft loss": _fmt(m.get(f"sft.{SFT_FINAL_LOSS}")),
             "rl train reward": _fmt(m.get(f"rl.{RL_FINAL_REWARD}")),
             # held-out, greedy: the mean reward and the pass rate of each model, side by side
@@ -125,6 +150,56 @@ def summary_table(rows: list[dict]) -> pd.DataFrame:
             "cost saving": _saving(m.get(f"evaluate.{GATE_COST_SAVING}"), m.get(f"evaluate.{GATE_COST_SAVING_LOW}")),
             "gate": "refused" if m.get(f"evaluate.{GATE_REFUSED}") else row["gate"] or row["status"].lower()})
     return pd.DataFrame(lines)
+
+
+def terminal_tables(rows: list[dict], pipeline: str, width: int = 100, params: bool = False) -> list[Table]:
+    """The tables `flywheel compare` prints for a terminal `width` columns wide: the runs, their held-out scores,
+    the gate's comparison with the champion and the RL monitor (when a run has them), with `params` every param."""
+    frame = summary_table(rows)
+    for name in INPUT_DATA:
+        frame[f"{name} data"] = [row["data"].get(name, "") for row in rows]
+    tables = [_table(f"{pipeline}: the last {len(rows)} retrain runs", frame[list(RUN_COLUMNS)], width),
+              _table("held-out (greedy): mean reward and pass rate of each model",
+                     frame[["run", *SCORE_COLUMNS]], width)]
+    if (frame[list(GATE_COLUMNS)] != "").any(axis=None):
+        tables.append(_table("the gate against the champion; the RL reward-hacking monitor",
+                             frame[["run", *GATE_COLUMNS]], width))
+    if params:
+        tables.append(params_table(rows))
+    return tables
+
+
+def _table(title: str, frame: pd.DataFrame, width: int) -> Table:
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
+    # each column as wide as its widest value or header word, so that a header folds rather than a value; what the
+    # width leaves unfolds headers, the shortest first. Narrower than that, rich folds the widest columns.
+    widths = {c: max([len(v) for v in frame[c]] + [len(word) for word in c.split()]) for c in frame.columns}
+    spare = width - sum(widths.values()) - 2 * (len(widths) - 1)
+    for column in sorted(widths, key=lambda c: len(c) - widths[c]):
+        if widths[column] < len(column) <= widths[column] + spare:
+            spare -= len(column) - widths[column]
+            widths[column] = len(column)
+    for column, fits in widths.items():
+        table.add_column(column, width=fits if spare >= 0 else None, overflow="fold", no_wrap=column == "run")
+    for line in frame.itertuples(index=False):
+        table.add_row(*line)
+    return table
+
+
+def params_table(rows: list[dict]) -> Table:
+    """Every param the runs' stages logged, one per line (the key ones first, those that differ in bold), one
+    column per run."""
+    logged = {k for row in rows for k in row["params"]}
+    table = Table(title="params (bold: not the same in every run)", box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False, padding=(0, 1, 0, 0))
+    table.add_column("param", no_wrap=True)
+    for row in rows:
+        table.add_column(row["run_id"][:8], overflow="fold")
+    for name in [*[k for k in PARAMS if k in logged], *sorted(logged - set(PARAMS))]:
+        values = [row["params"].get(name, "") for row in rows]
+        table.add_row(name, *[v if len(v) <= PARAM_CHARS else v[:PARAM_CHARS - 1] + "…" for v in values],
+                      style="bold" if len(set(values)) > 1 else None)
+    return table
 
 
 def _saving(saving, low) -> str:

@@ -645,8 +645,10 @@ def load_pipelines(path: str | Path = "pipelines.yaml") -> dict[str, PipelineCon
                 problems.append(f"{path}: unknown key '{key}' (misspelt?)")
             elif e["type"] == "missing":
                 problems.append(f"{path}: missing key '{key}' (write `{{}}` to take the defaults)")
-            else:
-                problems.append(f"{path}: {key}: {e['msg']} (got {e.get('input')!r})")
+            else:  # the value it got, unless that is a whole section (a check across its keys)
+                got = repr(e.get("input"))
+                shown = "" if isinstance(e.get("input"), dict) or len(got) > 100 else f" (got {got})"
+                problems.append(f"{path}: {key}: {e['msg'].removeprefix('Value error, ')}{shown}")
         raise ConfigError("\n".join(problems)) from None
 
 

@@ -25,7 +25,9 @@ class Task:
     prompt: list[dict]
     answer: str  # JSON text the environment's rubric reads (verifier data)
     slice: str
-    split: str = "train"
+    # "train" | "heldout", or "" when its source left the choice to collect, which splits it by a hash of its
+    # prompt (collect.heldout_fraction); a task file's row may choose (`split: heldout`)
+    split: str = ""
     # the scenario it is an attempt at (collect.group_by: the logs' task id); "" none. Every task of one group
     # is in one split, and the contamination check compares groups as well as prompts
     group: str = ""
@@ -105,6 +107,13 @@ def conversation_hash(messages: list[dict]) -> str:
     return prompt_hash(start)
 
 
+def prompt_excerpt(prompt: list[dict], width: int = 60) -> str:
+    """The last user message of a prompt on one line, cut to `width` characters and quoted: a task in a message."""
+    text = next((str(m.get("content") or "") for m in reversed(prompt) if m.get("role") == "user"), "")
+    text = " ".join(text.split())
+    return json.dumps(text if len(text) <= width else text[:width - 3] + "...", ensure_ascii=False)
+
+
 def split_of(key: str, heldout_fraction: float) -> str:
     """Assign a split from a content hash, never from row order: the same content always lands the same way."""
     bucket = int(hashlib.sha256(("split:" + key).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
@@ -163,7 +172,8 @@ class Environment(ABC):
 
     @abstractmethod
     def generate_tasks(self, seed: int) -> Iterator[Task]:
-        """A seeded stream of tasks, endless or finite (split left as 'train'; the caller assigns splits)."""
+        """A seeded stream of tasks, endless or finite; a task's split is "" unless its source chose one (collect
+        splits the rest by a hash of the prompt)."""
 
     @abstractmethod
     def call_tool(self, name: str, arguments: dict, state: object = None) -> str:
@@ -182,20 +192,25 @@ class Environment(ABC):
     def task_from_trace(self, trace: dict, heldout_fraction: float) -> Task | None:
         """The task of a traces-table row (its `messages` as JSON text or a list), with its split.
 
-        The default reads the messages (task_from_messages) and splits the task by its id, or by the trace's
-        group when it has one (collect.group_by: every attempt at a scenario in one split); replay reads the
-        whole row and keeps the trace's split. It must depend on the row alone: collect's worker processes
-        call it."""
+        The default reads the messages (task_from_messages) and keeps the split the task chose, else splits it
+        by its id, or by the trace's group when it has one (collect.group_by: every attempt at a scenario in one
+        split); replay reads the whole row and keeps the trace's split. It must depend on the row alone:
+        collect's worker processes call it."""
         messages = trace["messages"]
         task = self.task_from_messages(json.loads(messages) if isinstance(messages, str | bytes) else messages)
         if task is None:
             return None
         group = trace.get("group") or ""
-        return replace(task, split=split_of(group or task.task_id, heldout_fraction), group=group)
+        return replace(task, split=task.split or split_of(group or task.task_id, heldout_fraction), group=group)
 
     def recorded_tasks(self) -> list[Task]:
         """Tasks that come from a pipeline's collected traces rather than generate_tasks (replay's); none here."""
         return []
+
+    def describe_task(self, task: Task) -> str:
+        """The task as a person finds it in messages: where it comes from (a task file's path and row, when the
+        environment read one) and the opening of its prompt; the default names its id."""
+        return f"task {task.task_id} ({prompt_excerpt(task.prompt)})"
 
     # --- optional: one episode
 

@@ -115,15 +115,9 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
 
 
 def _short_splits(tasks, cfg: PipelineConfig, env_name: str) -> list[str]:
-    """A warning per split that got fewer of the environment's own tasks than the config asks for (a task file
-    smaller than train_tasks + heldout_tasks, split by a hash of each prompt); none for an environment with none."""
+    """A warning per split that got fewer of the environment's own tasks than the config asks for; none for an
+    environment with no tasks of its own (tasksets.short_splits)."""
     generated = Counter(split for split, origin in zip(tasks.column("split").to_pylist(),
                                                        tasks.column("origin").to_pylist(), strict=True)
                         if origin == "generated")
-    if not generated:
-        return []
-    wanted = {"train": cfg.environment.train_tasks, "heldout": cfg.environment.heldout_tasks}
-    return [f"environment '{env_name}' gave {generated[split]} {split} tasks, fewer than environment.{split}_tasks "
-            f"{n}: its tasks run out (each lands in a split by a hash of its prompt, held out at "
-            f"collect.heldout_fraction {cfg.collect.heldout_fraction})"
-            for split, n in wanted.items() if generated[split] < n]
+    return tasksets.short_splits(env_name, generated, cfg.environment, cfg.collect.heldout_fraction)

@@ -394,4 +394,4 @@ def test_fewer_tasks_than_asked_is_a_warning_with_both_numbers(tmp_path, mlflow_
     tasks = Catalog(tmp_path, "small").read("tasks")
     printed = capsys.readouterr().out
     assert result.metrics["warnings"] == 1 and (tasks["split"] == "heldout").sum() == 5
-    assert f"gave {(tasks['split'] == 'train').sum()} train tasks, fewer than environment.train_tasks 1000" in printed
+    assert f"gives {(tasks['split'] == 'train').sum()} train tasks, fewer than environment.train_tasks 1000" in printed

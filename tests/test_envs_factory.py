@@ -146,3 +146,35 @@ def test_the_envs_code_is_a_dep_and_cache_key_part_of_exactly_the_stages_that_ru
     (root / "examples" / "envs" / "shop" / "tasks.jsonl").write_text(
         (root / "examples" / "envs" / "shop" / "tasks.jsonl").read_text()[:-1] + "\n\n")
     assert input_key("rl", "small", root) != after["rl"] and input_key("sft", "small", root) == after["sft"]
+
+
+READS_OUTSIDE = '''
+from flywheel.envs.sdk import Env, tasks_from_file
+
+def echo(text: str) -> str:
+    """Echo the text."""
+    return text
+
+def make_env() -> Env:  # a task file named in its code, outside its own folder
+    return Env(name="echo", tools=[echo], tasks=tasks_from_file("data_in/tasks.jsonl"), rewards=[lambda t, m: 1.0])
+'''
+
+
+def test_a_task_file_the_factory_reads_outside_its_folder_is_one_of_its_files(tmp_path):
+    """A path written in the factory's code: a dvc.yaml dep and part of collect's key; editing it is a change."""
+    from flywheel.config import EnvironmentConfig
+    from flywheel.envs import environment_sources
+    from tasks.spec import input_key
+
+    root = tmp_path / "project"
+    package = f"reads_{tmp_path.name.replace('-', '_')}"  # its own module: sys.modules keeps every test's
+    (root / package).mkdir(parents=True)
+    (root / package / "__init__.py").write_text(READS_OUTSIDE)
+    (root / "data_in").mkdir()
+    (root / "data_in" / "tasks.jsonl").write_text('{"prompt": "say hi", "answer": "hi"}\n')
+    _project(root, f'{{factory: "{package}:make_env"}}')
+    sources = environment_sources(EnvironmentConfig(factory=f"{package}:make_env"), root)
+    assert sources == [(root / package).resolve(), (root / "data_in" / "tasks.jsonl").resolve()]
+    before = input_key("collect", "small", root)
+    (root / "data_in" / "tasks.jsonl").write_text('{"prompt": "say bye", "answer": "bye"}\n')
+    assert input_key("collect", "small", root) != before

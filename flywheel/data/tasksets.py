@@ -1,10 +1,11 @@
-"""The tasks table: the environment's seeded tasks plus the traces it can verify, split by content hash."""
+"""The tasks table: the environment's seeded tasks plus the traces it can verify, split by content hash (or as a
+task file's row chooses)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import orjson
@@ -156,6 +157,26 @@ def recipe(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, so
     return hashlib.sha256(f"{env.name}|{config}|{heldout_fraction}|{code}|{own}".encode()).hexdigest()[:16]
 
 
+def own_tasks(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float) -> list[Task]:
+    """The environment's own tasks as collect draws them into the tasks table, each with its split: what
+    `flywheel check` counts and dry-runs before anything runs."""
+    rows: dict[str, dict] = {}
+    _generate(env, cfg, heldout_fraction, rows)
+    return [row_task(row) for row in rows.values()]
+
+
+def short_splits(env_name: str, have: Mapping[str, int], cfg: EnvironmentConfig, heldout_fraction: float) -> list[str]:
+    """A warning per split that holds fewer of the environment's own tasks (`have`, by split) than the config asks
+    for (a task file smaller than train_tasks + heldout_tasks); none for an environment with none."""
+    if not any(have.values()):
+        return []
+    wanted = {"train": cfg.train_tasks, "heldout": cfg.heldout_tasks}
+    return [f"environment '{env_name}' gives {have.get(split, 0)} {split} tasks, fewer than environment.{split}_tasks "
+            f"{n}: its tasks run out (a task lands in the split its row names, `split: train|heldout`, else in one "
+            f"by a hash of its prompt, held out at collect.heldout_fraction {heldout_fraction})"
+            for split, n in wanted.items() if have.get(split, 0) < n]
+
+
 def _generate(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float, rows: dict[str, dict]) -> None:
     wanted = {"train": cfg.train_tasks, "heldout": cfg.heldout_tasks}
     have = {"train": 0, "heldout": 0}
@@ -165,7 +186,7 @@ def _generate(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float,
         if draws > limit:
             raise RuntimeError(f"environment '{env.name}' produced too few distinct tasks for "
                                f"{wanted} (got {have} after {limit} draws)")
-        split = split_of(task.task_id, heldout_fraction)
+        split = task.split or split_of(task.task_id, heldout_fraction)  # a task file's row may choose
         if task.task_id in rows or have[split] >= wanted[split]:
             if have == wanted:
                 break

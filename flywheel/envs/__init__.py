@@ -10,12 +10,13 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import pkgutil
 import sys
 from pathlib import Path
 
 from flywheel.contract import Environment, RubricError, Score, Task, ToolError
-from flywheel.envs.sdk import PROJECT_ROOT
+from flywheel.envs.sdk import FILES_READ, PROJECT_ROOT
 
 __all__ = ["Environment", "Score", "Task", "ToolError", "RubricError", "EnvironmentLoadError", "get_environment",
            "environment_names", "entry_point_environments", "environment_sources", "load_environment"]
@@ -24,6 +25,8 @@ ENTRY_POINT_GROUP = "flywheel.environments"
 # modules of this package that are parts of environments, not environments
 _PARTS = {"sdk", "judge", "mcp", "verifiers", "users"}
 _BUILTIN_FOLDER = Path(__file__).resolve().parent
+# (factory, args, root) -> the task files its factory read when it was last built in this process
+_FILES_READ: dict[tuple, list[Path]] = {}
 
 
 class EnvironmentLoadError(ValueError):
@@ -78,14 +81,16 @@ def get_environment(name: str | None = None, *, factory: str | None = None, args
     if not callable(fn):
         raise EnvironmentLoadError(f"{where}: module '{module_name}' ({module.__file__}) has no function "
                                    f"'{attribute}'")
-    token = PROJECT_ROOT.set(root)
+    token, files = PROJECT_ROOT.set(root), FILES_READ.set([])
     try:
         env = fn(**(args or {}))
+        _FILES_READ[_built_key(factory, args, root)] = FILES_READ.get()
     except Exception as err:
         raise EnvironmentLoadError(f"{where}: {module_name}.{attribute}(**{args or {}}) raised "
                                    f"{type(err).__name__}: {err}") from err
     finally:
         PROJECT_ROOT.reset(token)
+        FILES_READ.reset(files)
     if not isinstance(env, Environment):
         raise EnvironmentLoadError(f"{where}: {module_name}.{attribute} returned {type(env).__name__}, not an "
                                    "environment; return flywheel.envs.sdk.Env, or an instance of a subclass of "
@@ -120,8 +125,9 @@ def load_environment(cfg, root: str | Path, pipeline: str | None = None) -> Envi
 def environment_sources(cfg, root: str | Path) -> list[Path]:
     """The files an environment's behaviour comes from, for cache keys, collect's stored state and dvc.yaml deps:
     the folder of the package holding a factory's module (or the module file when it is top-level), with the task
-    files it reads there, and every file or folder its `args` name (a task file given as an argument). Built-ins
-    add only what their args name: flywheel/envs is in the code of every stage that builds an environment."""
+    files it reads there, every file or folder its `args` name (a task file given as an argument), and every task
+    file the factory reads wherever it is (a path written in its code). Built-ins add only what their args name:
+    flywheel/envs is in the code of every stage that builds an environment."""
     key, target = _target(cfg.name, cfg.factory)
     module_name = target.partition(":")[0]
     root = Path(root).resolve()
@@ -142,11 +148,27 @@ def environment_sources(cfg, root: str | Path) -> list[Path]:
     else:
         path = origin
     found = [] if path == _BUILTIN_FOLDER or path.is_relative_to(_BUILTIN_FOLDER) else [path]
-    for named in _named_paths(cfg.args, root):
+    for named in _named_paths(cfg.args, root) + _task_files(cfg, root):
         # one inside another listed adds nothing (and DVC refuses overlapping deps)
         if not any(named.is_relative_to(p) for p in found):
             found = [p for p in found if not p.is_relative_to(named)] + [named]
     return found
+
+
+def _built_key(factory: str | None, args: dict | None, root: Path | None) -> tuple:
+    return factory, json.dumps(args or {}, sort_keys=True, default=str), root
+
+
+def _task_files(cfg, root: Path) -> list[Path]:
+    """The task files a factory reads (tasks_from_file) wherever they are, e.g. a hard-coded path outside its
+    folder: from when it was built in this process, else by building it now. Built-ins and entry points read
+    none of the project's but what their args name."""
+    if not cfg.factory:
+        return []
+    key = _built_key(cfg.factory, cfg.args, root)
+    if key not in _FILES_READ:
+        get_environment(factory=cfg.factory, args=cfg.args, root=root)
+    return [p for p in _FILES_READ[key] if p.exists() and not root.is_relative_to(p)]
 
 
 def _named_paths(value, root: Path) -> list[Path]:

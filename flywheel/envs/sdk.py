@@ -52,13 +52,27 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
-from flywheel.contract import STOP, Environment, RubricError, Score, Task, ToolError, UserError, opening, prompt_hash
+from flywheel.contract import (
+    STOP,
+    Environment,
+    RubricError,
+    Score,
+    Task,
+    ToolError,
+    UserError,
+    opening,
+    prompt_excerpt,
+    prompt_hash,
+)
 
 __all__ = ["Env", "Reward", "Score", "Task", "ToolError", "SchemaError", "RubricError", "UserError", "STOP",
            "tasks_from_file", "tool_schema", "TaskFile"]
 
 # Set while flywheel.envs resolves a factory: relative task files are read from the project root.
 PROJECT_ROOT: ContextVar[Path | None] = ContextVar("flywheel_project_root", default=None)
+# Set while flywheel.envs resolves a factory: every task file read is listed here, for the environment's identity
+# (flywheel.envs.environment_sources: a task file outside the factory's folder is one of its files too)
+FILES_READ: ContextVar[list[Path] | None] = ContextVar("flywheel_files_read", default=None)
 
 COUNTERS = ("tool_calls", "tool_errors", "tool_refusals", "tool_bad_returns", "tool_timeouts", "bad_calls")
 
@@ -251,7 +265,11 @@ class TaskFile:
         if not path.is_absolute() and root is not None and not path.exists():
             path = root / path
         self.path = path
-        self.tasks = _read_tasks(path)
+        self.root = root  # the project root it was read under: messages name the file from there
+        self.tasks, self.rows = _read_tasks(path)  # rows: task id -> its row number in the file (from 1)
+        listed = FILES_READ.get()
+        if listed is not None:
+            listed.append(path.resolve())
 
     def __call__(self, seed: int) -> Iterator[Task]:
         order = list(range(len(self.tasks)))
@@ -260,12 +278,13 @@ class TaskFile:
 
 
 def tasks_from_file(path: str | Path) -> TaskFile:
-    """Tasks from a JSONL or Parquet file with `prompt` (text or messages), `answer` (any JSON), optional `slice`
-    and `id`; a relative path is read from the current folder, else from the project root."""
+    """Tasks from a JSONL or Parquet file with `prompt` (text or messages), `answer` (any JSON), optional `slice`,
+    `id` and `split` ("train" or "heldout": the row chooses; without it collect splits the task by a hash of its
+    prompt); a relative path is read from the current folder, else from the project root."""
     return TaskFile(path)
 
 
-def _read_tasks(path: Path) -> list[Task]:
+def _read_tasks(path: Path) -> tuple[list[Task], dict[str, int]]:
     if not path.exists():
         raise FileNotFoundError(f"{path}: task file not found")
     if path.suffix == ".parquet":
@@ -296,13 +315,17 @@ def _read_tasks(path: Path) -> list[Task]:
         answer = record["answer"]
         if isinstance(answer, str) and path.suffix == ".parquet":
             answer = json.loads(answer)  # Parquet holds nested answers as JSON text
+        split = record.get("split") or ""
+        if split not in ("", "train", "heldout"):
+            raise ValueError(f"{where}: split {split!r} is neither 'train' nor 'heldout' (leave it out to let "
+                             "collect split the task by a hash of its prompt)")
         task_id = prompt_hash(prompt)
         if task_id in seen:
             raise ValueError(f"{where}: the same prompt as row {seen[task_id]}: a prompt is a task's identity")
         seen[task_id] = number
         tasks.append(Task(task_id=task_id, env="", prompt=prompt, answer=json.dumps(answer, ensure_ascii=False),
-                          slice=str(record.get("slice") or "all")))
-    return tasks
+                          slice=str(record.get("slice") or "all"), split=split))
+    return tasks, seen
 
 
 # --- the environment -------------------------------------------------------------------------------------------
@@ -400,6 +423,16 @@ class Env(Environment):
             self._by_prompt = {t.task_id: dataclasses.replace(t, env=self.name) for t in self._tasks.tasks}
         start = opening(messages)
         return None if start is None else self._by_prompt.get(prompt_hash(start))
+
+    def describe_task(self, task: Task) -> str:
+        """A task file's task as its path and row with the prompt's opening; any other as the contract says."""
+        found = self._tasks
+        if isinstance(found, TaskFile) and task.task_id in found.rows:
+            path = found.path.resolve()
+            shown = path.relative_to(found.root.resolve()) if found.root and path.is_relative_to(found.root.resolve()) \
+                else path
+            return f"{shown}: row {found.rows[task.task_id]} ({prompt_excerpt(task.prompt)})"
+        return super().describe_task(task)
 
     def start(self, task: Task) -> object:
         """The episode's own state: setup(task), or None without a setup."""
@@ -546,8 +579,9 @@ class Env(Environment):
             if isinstance(value, bool):
                 value = float(value)
             if not isinstance(value, int | float) or math.isnan(value) or not 0.0 <= value <= 1.0:
-                raise RubricError(f"environment '{self.name}': {kind} '{check.label}' returned {value!r} for task "
-                                  f"{task.task_id}; a {kind} must be a number in [0, 1]")
+                raise RubricError(f"environment '{self.name}': {kind} '{check.label}' returned {value!r} for "
+                                  f"{self.describe_task(task)}; a {kind} must be a number in [0, 1]: fix "
+                                  f"{_where_defined(check.fn)}")
             breakdown[check.label] = float(value)
         return breakdown
 
@@ -557,6 +591,13 @@ class Env(Environment):
             raise NotImplementedError(f"environment '{self.name}' has no scripted solver (Env(solver=...)), so the "
                                       "oracle teacher cannot run in it; use a model teacher (teacher.policy)")
         return self.solver(messages, state) if _arity(self.solver) >= 2 else self.solver(messages)
+
+
+def _where_defined(fn: Callable) -> str:
+    """A function as `file:line (name)`, for errors that send the user to their own code."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    return name if code is None else f"{name} ({code.co_filename}:{code.co_firstlineno})"
 
 
 def _scenario(task: Task) -> str:

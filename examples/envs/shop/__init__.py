@@ -1,9 +1,10 @@
 """An order desk: the environment a user copies to train their own agent (README "Your own agent").
 
-Two typed tools over a per-episode SQLite database, tasks from tasks.jsonl next to this file, a two-part rubric
-(the database ends as it should, the answer states the order's status) and a scripted solver the oracle
-teacher runs. A pipeline uses it as `environment: {factory: "examples.envs.shop:make_env"}` (importable from the
-project root; tests/test_example_env.py runs the whole loop on it).
+Two typed tools over a per-episode SQLite database, tasks from tasks.jsonl next to this file, a rubric (the
+database ends as it should and the answer states the order's status; each part logged) and a scripted solver
+the oracle teacher runs. A pipeline uses it as `environment: {factory: "examples.envs.shop:make_env"}`
+(importable from the project root; tests/test_example_env.py runs the whole loop on it, and
+`flywheel check PIPELINE --solve` dry-runs it).
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ def states_status(task: Task, messages: list[dict], state: sqlite3.Connection) -
     return float(task.data["status"] in final.lower())
 
 
+def resolved(task: Task, messages: list[dict], state: sqlite3.Connection) -> float:
+    """The reward: 1 when the answer names the status and exactly the right orders were refunded. Both at once:
+    with the two parts weighted apart, an empty answer would earn the untouched database's part on every look-up
+    task (`flywheel check --solve` warns of such a rubric)."""
+    return correct_state(task, messages, state) * states_status(task, messages, state)
+
+
 def solve(messages: list[dict], state: sqlite3.Connection) -> dict:
     """The scripted agent: look the order up, refund it when asked and allowed, then say its status."""
     question = next(m["content"] for m in messages if m["role"] == "user")
@@ -98,7 +106,8 @@ def make_env() -> Env:
         name="shop",
         tools=[lookup_order, refund],
         tasks=tasks_from_file(Path(__file__).parent / "tasks.jsonl"),
-        rewards=[Reward(correct_state, weight=0.5), Reward(states_status, weight=0.5)],
+        # the reward is `resolved` alone; its two parts are logged beside it (weight 0) to show what went wrong
+        rewards=[Reward(resolved, weight=1.0), Reward(correct_state, weight=0.0), Reward(states_status, weight=0.0)],
         passed=1.0,
         setup=fresh_db,
         teardown=sqlite3.Connection.close,
