@@ -647,7 +647,8 @@ def load_pipelines(path: str | Path = "pipelines.yaml") -> dict[str, PipelineCon
                 problems.append(f"{path}: missing key '{key}' (write `{{}}` to take the defaults)")
             else:  # the value it got, unless that is a whole section (a check across its keys)
                 got = repr(e.get("input"))
-                shown = "" if isinstance(e.get("input"), dict) or len(got) > 100 else f" (got {got})"
+                got = got if len(got) <= 300 else got[:297] + "..."
+                shown = "" if isinstance(e.get("input"), dict) else f" (got {got})"
                 problems.append(f"{path}: {key}: {e['msg'].removeprefix('Value error, ')}{shown}")
         raise ConfigError("\n".join(problems)) from None
 
