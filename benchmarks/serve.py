@@ -7,7 +7,10 @@ Builds the demo's tiny student (pipelines.yaml `demo.student.tiny`, random weigh
 serves it (transformers on the CPU, traffic recorded as traces) and sends the environment's prompts one at a
 time through the `openai` client; then answers the same prompts one at a time with the hf policy's `generate`.
 `ratio` is the server's requests/s over the bare loop's: what HTTP, request checks, the chat template, the
-response and the trace record cost. The last line is one JSON object. `--quick`: 8 requests and a smaller model.
+response and the trace record cost. Then CLIENTS clients send the same prompts at once, as an application's
+users do: the server's requests/s and p50/p95 latency under that load against the bare loop's (the server
+generates one request at a time per model, so the bare loop is its ceiling: `concurrent_ratio`). The last line
+is one JSON object. `--quick`: 8 requests and a smaller model.
 """
 
 from __future__ import annotations
@@ -24,6 +27,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM_UP = 4  # full-length requests on each side before timing: the first few take several times longer
+CLIENTS = 8  # concurrent clients in the load part
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation between the sorted values."""
+    ordered = sorted(values)
+    at = (len(ordered) - 1) * q / 100
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
 def main() -> None:
@@ -76,6 +89,17 @@ def main() -> None:
                                            max_tokens=args.max_tokens)
             latencies.append(time.perf_counter() - sent)
         served_s = time.perf_counter() - started
+
+        def timed(prompt: list[dict]) -> float:
+            sent = time.perf_counter()
+            client.chat.completions.create(model="bench", messages=prompt, tools=tools, temperature=0.0,
+                                           max_tokens=args.max_tokens)
+            return time.perf_counter() - sent
+
+        with ThreadPoolExecutor(max_workers=CLIENTS) as clients:  # every prompt in flight, CLIENTS at a time
+            started = time.perf_counter()
+            loaded = list(clients.map(timed, prompts))
+            loaded_s = time.perf_counter() - started
         recorded = server.traffic.recorded - min(WARM_UP, len(prompts))
 
     policy = HFPolicy(student, device="cpu")
@@ -101,9 +125,17 @@ def main() -> None:
               "server_mean_latency_s": round(sum(latencies) / len(latencies), 4),
               "generate_requests_per_s": round(requests / bare_s, 2),
               "generate_mean_latency_s": round(sum(bare) / len(bare), 4),
-              "ratio": round((requests / served_s) / (requests / bare_s), 3)}
+              "ratio": round((requests / served_s) / (requests / bare_s), 3),
+              "clients": CLIENTS, "concurrent_requests_per_s": round(requests / loaded_s, 2),
+              "concurrent_p50_s": round(percentile(loaded, 50), 4),
+              "concurrent_p95_s": round(percentile(loaded, 95), 4),
+              "generate_p50_s": round(percentile(bare, 50), 4), "generate_p95_s": round(percentile(bare, 95), 4),
+              "concurrent_ratio": round((requests / loaded_s) / (requests / bare_s), 3)}
     print(f"server: {result['server_requests_per_s']} requests/s ({result['server_mean_latency_s']}s each); bare "
           f"generate: {result['generate_requests_per_s']}/s ({result['generate_mean_latency_s']}s each)")
+    print(f"{CLIENTS} clients at once: {result['concurrent_requests_per_s']} requests/s, p50 "
+          f"{result['concurrent_p50_s']}s, p95 {result['concurrent_p95_s']}s (bare generate p50 "
+          f"{result['generate_p50_s']}s, p95 {result['generate_p95_s']}s)")
     print(json.dumps(result))
 
 

@@ -30,6 +30,7 @@ def rerun(run_id: str, root: str = ".", promote: bool = False, push: bool = True
                                    f"(got {', '.join(restore) or 'none'}): a stage runs on what the one before "
                                    "it wrote")
     recorded = reproduce.recorded_run(run_id)
+    run_id = recorded.run_id  # the whole id where the first characters were given
     warnings = reproduce.warnings(recorded, root_path)
     for warning in warnings:
         print(f"warning: {warning}", flush=True)

@@ -15,6 +15,11 @@ from flywheel.stages import StageResult
 from tasks.kernel import stage_by_name
 
 
+class StageJobError(RuntimeError):
+    """A stage to run as its own job has no deployment, or its job ended without completing; the message says
+    which and what to do."""
+
+
 def run_stage(name: str, kwargs: dict, refresh: bool, job_variables: dict | None) -> tuple[StageResult, bool]:
     """Run stage `name` in this flow run, or as its own job when it has `job_variables`: (result, cached)."""
     if job_variables is None:
@@ -52,10 +57,10 @@ def run_as_job(name: str, kwargs: dict, refresh: bool, job_variables: dict) -> t
                                   job_variables=job_variables, flow_run_name=f"{pipeline}-{name}",
                                   timeout=None, poll_interval=2)
     except ObjectNotFound:
-        raise RuntimeError(f"stage {name} should run as its own job, but there is no deployment '{deployment}': "
+        raise StageJobError(f"stage {name} should run as its own job, but there is no deployment '{deployment}': "
                            "deploy it with `flywheel deploy --pool POOL --job-per-stage`") from None
     if not flow_run.state.is_completed():
-        raise RuntimeError(f"stage {name} ran as flow run '{flow_run.name}' ({flow_run.id}), which ended "
+        raise StageJobError(f"stage {name} ran as flow run '{flow_run.name}' ({flow_run.id}), which ended "
                            f"{flow_run.state.name}: {flow_run.state.message}")
     outcome = flow_run.state.result()
     return outcome["result"], outcome["cached"]

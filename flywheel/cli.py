@@ -70,6 +70,7 @@ USER_ERRORS = (
     "flywheel.evaluate.runner.NoHeldoutError", "flywheel.evaluate.runner.ContaminationError",
     "flywheel.evaluate.arms.SpecError", "flywheel.promotion.PromotionError", "flywheel.reproduce.RerunError",
     "flywheel.serving.loop.LoopError", "flywheel.serving.server.ServeError", "flows.deployments.DeployError",
+    "flows.stage.StageJobError",
 )
 _RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where Prefect reports a failed flow or task run
 
@@ -236,8 +237,10 @@ def promote(pipeline: str = typer.Argument(..., help="Pipeline name (the registe
         if rollback:
             outcome = promotion.rollback(pipeline)
         else:
-            gate = load_pipeline(pipeline, root / "pipelines.yaml").gate
-            outcome = promotion.promote(pipeline, version, gate, force=force)
+            cfg = load_pipeline(pipeline, root / "pipelines.yaml")
+            # stored evaluations on other held-out tasks: both versions are scored again on the current ones
+            outcome = promotion.promote(pipeline, version, cfg.gate, force=force,
+                                        reevaluate=lambda v, c: promotion.evaluate_now(pipeline, v, c, root, cfg))
     except (ConfigError, promotion.PromotionError) as err:
         _fail(str(err))
     for reason in outcome.reasons:
@@ -279,7 +282,8 @@ def compare(pipeline: str = typer.Argument(..., help="Pipeline name (the MLflow 
 
 @app.command()
 @_reported
-def rerun(run_id: str = typer.Argument(..., help="MLflow run id of a retrain run (`flywheel compare` lists them)."),
+def rerun(run_id: str = typer.Argument(..., help="MLflow run id of a retrain run, or its first characters as "
+                                        "`flywheel compare` lists them."),
           promote: bool = typer.Option(False, "--promote", help="Let the gate move champion, as a run would."),
           restore: list[str] = RESTORE,
           push: bool = typer.Option(True, "--push/--no-push", help="Push reproduced data to the DVC remote."),
@@ -741,8 +745,9 @@ def _print_summary(summary: dict, root: Path, seconds: float) -> None:
                   f"; {seconds:.0f}s")
     state = root / ".flywheel"
     console.print("\nlook at it:")
-    console.print(f"  MLflow UI:  {sys.executable.rsplit('/', 1)[0]}/mlflow ui --backend-store-uri "
-                  f"{os.environ['MLFLOW_TRACKING_URI']} --port 5000")
+    # MLflow reads its telemetry switch from the environment alone; Prefect also from prefect.toml in the root
+    console.print(f"  MLflow UI:  MLFLOW_DISABLE_TELEMETRY=true {sys.executable.rsplit('/', 1)[0]}/mlflow ui "
+                  f"--backend-store-uri {os.environ['MLFLOW_TRACKING_URI']} --port 5000")
     console.print(f"  Prefect UI: PREFECT_HOME={state / 'prefect'} {sys.executable.rsplit('/', 1)[0]}/prefect "
                   "server start --port 4200")
 

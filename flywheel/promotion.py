@@ -12,7 +12,7 @@ import fcntl
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +26,11 @@ from flywheel.registry import client, get_alias
 
 EVAL_ARTIFACT = "eval/eval.parquet"  # where register() stores a version's eval table
 CANDIDATE = "rl"  # the rows of the eval table that score the registered model itself
+
+
+# (version, champion) -> both scored again on the current held-out tasks (with the null policy): (eval rows, where
+# the evaluation is recorded); evaluate_now with a project's root and config
+Reevaluate = Callable[[str, str], tuple[pd.DataFrame, str]]
 
 
 class PromotionError(RuntimeError):
@@ -88,11 +93,16 @@ def eval_table(name: str, version: str) -> pd.DataFrame | None:
     return frame[frame["model"] == CANDIDATE]
 
 
-def gate_against_champion(name: str, version: str, champion: str | None, gate: GateConfig) -> GateDecision:
+def gate_against_champion(name: str, version: str, champion: str | None, gate: GateConfig,
+                          reevaluate: Reevaluate | None = None) -> GateDecision:
     """Decide from the stored eval tables of `version` and `champion`; a missing table fails closed.
 
     The null policy's and the students' rows stored with the version are its baselines (a table stored without
-    them fails the checks that need them)."""
+    them fails the checks that need them). Tables evaluated on other held-out tasks (traffic added tasks between
+    the two evaluations) do not pair: then the champion's rows of the version's own evaluation are used when that
+    evaluation scored this champion, else `reevaluate` scores both again on the current held-out tasks, else the
+    gate refuses, saying how to compare them.
+    """
     table = stored_table(name, version)
     if table is None:
         return GateDecision(False, [f"version {version} of '{name}' has no stored eval table ({EVAL_ARTIFACT} in "
@@ -100,17 +110,57 @@ def gate_against_champion(name: str, version: str, champion: str | None, gate: G
     labels = table["model"] if "model" in table.columns else pd.Series(CANDIDATE, index=table.index)
     candidate = table[labels == CANDIDATE]
     baselines = {label: table[labels == label] for label in BASELINES if (labels == label).any()}
-    reference = None
+    reference, notes = None, []
     if champion is not None:
         reference = eval_table(name, champion)
         if reference is None:
             return GateDecision(False, [f"champion version {champion} of '{name}' has no stored eval table; "
                                         "compare by hand and promote with --force"])
+        if not _pair(candidate, reference):
+            tags = client().get_model_version(name, version).tags
+            scored_then = table[labels == "champion"]
+            if tags.get("flywheel.gate_champion") == champion and _pair(candidate, scored_then):
+                reference = scored_then
+                notes.append(f"the stored tables of versions {version} and {champion} are on other held-out tasks: "
+                             f"gated on version {version}'s own evaluation, which scored champion {champion} on the "
+                             "same tasks")
+            elif reevaluate is not None:
+                again, where = reevaluate(version, champion)
+                candidate, reference = again[again["model"] == CANDIDATE], again[again["model"] == "champion"]
+                baselines = {"null": again[again["model"] == "null"]}
+                # the base model is not registered: its ceiling check stands as taken when the version was evaluated
+                gate = gate.model_copy(update={"check_ceiling": False})
+                notes.append(f"the stored tables of versions {version} and {champion} are on other held-out tasks: "
+                             f"both evaluated again on the current {candidate['task_id'].nunique()} held-out tasks "
+                             f"({where}); the base-model ceiling check is the one taken at registration")
     # the RL monitor's verdict, recorded on the version at registration, refuses it whatever its scores
     tags = client().get_model_version(name, version).tags
     flags = [tags.get("flywheel.reward_hacking_reason") or "reward hacking flagged by the RL monitor"] \
         if tags.get("flywheel.reward_hacking") == "flagged" else []
-    return decide(candidate, reference, gate, flags=flags, baselines=baselines)
+    decision = decide(candidate, reference, gate, flags=flags, baselines=baselines)
+    decision.reasons[:0] = notes
+    if reevaluate is None and any("do not pair" in r for r in decision.reasons):
+        decision.reasons.append(f"`flywheel promote {name} {version}` from the project root evaluates both on the "
+                                "current held-out tasks")
+    return decision
+
+
+def _pair(candidate: pd.DataFrame, reference: pd.DataFrame) -> bool:
+    """Whether two eval tables hold the same (task_id, sample) rows: the gate's paired comparison needs it."""
+    key = ["task_id", "sample"]
+    return set(map(tuple, candidate[key].to_numpy())) == set(map(tuple, reference[key].to_numpy()))
+
+
+def evaluate_now(name: str, version: str, champion: str, root: Path, cfg) -> tuple[pd.DataFrame, str]:
+    """Score version `version` (as the candidate), champion `champion` and the null policy on the pipeline's
+    current held-out tasks (`flywheel eval`'s harness; an MLflow run records what was scored): (rows, where)."""
+    from flywheel.evaluate.adhoc import evaluate_policies
+
+    endpoint = {"base_url": None, "api_key_env": None, "price_input_per_mtok": 0.0, "price_output_per_mtok": 0.0,
+                "cache": None}
+    result = evaluate_policies(name, root, cfg, [f"{CANDIDATE}=models:/{name}/{version}",
+                                                  f"champion=models:/{name}/{champion}"], endpoint)
+    return result.table, f"MLflow run {result.run_id}, run name 'eval'"
 
 
 def _set_champion(name: str, version: str, previous: str | None, how: str, reasons: list[str]) -> None:
@@ -126,11 +176,13 @@ def _set_champion(name: str, version: str, previous: str | None, how: str, reaso
 
 
 def promote(name: str, version: str, gate: GateConfig, force: bool = False,
-            decision: GateDecision | None = None, judged_against: str | None = None) -> Promotion:
+            decision: GateDecision | None = None, judged_against: str | None = None,
+            reevaluate: Reevaluate | None = None) -> Promotion:
     """Make `version` champion if it passes the gate against the champion of this moment (compare-and-set).
 
     `decision` is a gate already taken against champion `judged_against` (None: there was none); it is used
-    only if that is still the champion, else the stored eval tables are gated again against the new one.
+    only if that is still the champion, else the stored eval tables are gated again against the new one
+    (`reevaluate`: how to score both again when those tables do not pair, gate_against_champion).
     """
     version = str(version)
     try:
@@ -149,7 +201,7 @@ def promote(name: str, version: str, gate: GateConfig, force: bool = False,
             return Promotion(True, version, version, previous, reasons, "forced")
         if decision is None or judged_against != previous:
             stale = decision is not None
-            decision = gate_against_champion(name, version, previous, gate)
+            decision = gate_against_champion(name, version, previous, gate, reevaluate)
             if stale:
                 decision.reasons.insert(0, f"judged against {judged_against or 'no champion'}, but the champion "
                                            f"is now {previous or 'none'}: gated again")

@@ -244,7 +244,7 @@ def pip_requirements() -> list[str]:
 
 
 def log_student(run: Run, model_dir: Path, name: str, python_model, example: dict | None, tags: dict) -> str:
-    """Log the checkpoint as a pyfunc model in the run (signature, input example); its model id."""
+    """Log the checkpoint as a pyfunc model in the run (the model's own signature, input example); its model id."""
     import mlflow
 
     inside = f"artifacts/{model_dir.name}"  # where MLflow puts the artifact folder
@@ -253,8 +253,9 @@ def log_student(run: Run, model_dir: Path, name: str, python_model, example: dic
                 "chat_template": f"{inside}/chat_template.jinja" if (model_dir / "chat_template.jinja").exists()
                 else f"{inside}/tokenizer_config.json"}
     with warnings.catch_warnings(), mlflow.start_run(run_id=run.run_id):  # thread-local: no other stage's run
-        warnings.simplefilter("ignore")  # ChatModel's deprecation, and "no signature for params" notes
-        info = mlflow.pyfunc.log_model(name="model", python_model=python_model,
+        warnings.simplefilter("ignore")  # MLflow's notes on pickled models and on the unused params schema
+        # the model's signature, not one inferred from the example: that would type each tool's JSON Schema
+        info = mlflow.pyfunc.log_model(name="model", python_model=python_model, signature=python_model.signature,
                                        artifacts={CHECKPOINT: str(model_dir)}, input_example=example,
                                        pip_requirements=pip_requirements(), metadata=metadata,
                                        model_config={"model_name": name},

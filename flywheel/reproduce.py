@@ -60,14 +60,27 @@ class Recorded:
         return {o["path"]: o.get("md5", "") for o in entry.get("outs", [])}
 
 
+def _retrain_run_starting(prefix: str):
+    """The one retrain run whose id starts with `prefix`, in any experiment; a RerunError for none or several."""
+    c = registry.client()
+    experiments = [e.experiment_id for e in c.search_experiments()]
+    found = [r for r in c.search_runs(experiments, "tags.`flywheel.stage` = 'retrain'")
+             if r.info.run_id.startswith(prefix)] if experiments and prefix else []
+    if len(found) != 1:
+        raise RerunError(f"{'no' if not found else len(found)} retrain run(s) in "
+                         f"{os.environ.get('MLFLOW_TRACKING_URI')} with an id starting '{prefix}'; "
+                         "`flywheel compare PIPELINE` lists them")
+    return found[0]
+
+
 def recorded_run(run_id: str) -> Recorded:
     """Read what the run recorded; a clear error for an unknown id, another kind of run, or an older record."""
     c = registry.client()
     try:
         run = c.get_run(run_id)
     except MlflowException:
-        raise RerunError(f"no MLflow run '{run_id}' in {os.environ.get('MLFLOW_TRACKING_URI')}; "
-                         "`flywheel compare PIPELINE` lists the retrain runs") from None
+        run = _retrain_run_starting(run_id)  # the first characters of an id, as `flywheel compare` prints it
+        run_id = run.info.run_id
     tags = run.data.tags
     pipeline, stage = tags.get("flywheel.pipeline"), tags.get("flywheel.stage")
     if stage != "retrain" or not pipeline:

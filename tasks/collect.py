@@ -93,7 +93,10 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
                    "duplicates": found.duplicates + tables.duplicates,
                    "partial_turns": found.partial, "bad_fraction": bad_fraction,
                    "tasks_train": splits["train"], "tasks_heldout": splits["heldout"],
-                   "tasks_from_traces": Counter(tables.tasks.column("origin").to_pylist())["trace"]}
+                   "tasks_from_traces": Counter(tables.tasks.column("origin").to_pylist())["trace"],
+                   # feedback on a call that ended in tool calls: joined to the conversation that completes it, or
+                   # kept on the call itself while nothing does (counted over this run's new rows)
+                   "labels_joined": found.labels_joined, "labels_on_partial": found.labels_on_partial}
         metrics |= {f"outcome_{k}": v for k, v in Counter(outcomes.to_pylist()).items()}
         metrics |= {f"quarantine_{k}": v for k, v in found.reasons.items()}
         metrics |= {f"redacted_{k}": v for k, v in found.redacted.items()}

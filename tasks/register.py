@@ -65,7 +65,8 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
             outcome = promotion.promote(pipeline, version.version, cfg.gate,
                                         decision=GateDecision(gate["passed"], list(gate["reasons"]),
                                                               gate["numbers"], list(gate.get("refused", []))),
-                                        judged_against=gate.get("champion_version"))
+                                        judged_against=gate.get("champion_version"),
+                                        reevaluate=lambda v, c: promotion.evaluate_now(pipeline, v, c, root_path, cfg))
             promoted, reasons = outcome.promoted, outcome.reasons
         else:
             promoted, reasons = False, ["not offered for promotion (a rerun: `flywheel rerun --promote` offers it)"]

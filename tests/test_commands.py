@@ -7,6 +7,7 @@ change the stages' cache keys and DVC both see. One full run is shared by every 
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -122,3 +123,25 @@ def test_dvc_repro_runs_flywheel_stage_for_what_changed(ran):
     assert "evaluate: done (MLflow run" in out and "register: done (MLflow run" in out  # `flywheel stage`
     assert "up to date" in ran.dvc("status")
     assert "Data and pipelines are up to date" in ran.dvc("repro")
+
+
+def test_dvc_asks_about_one_pipeline_where_another_never_ran(ran):
+    """The README's per-pipeline `dvc status` and `dvc repro --dry` work beside a pipeline that never ran, where
+    a bare `dvc repro --dry` fails (DVC hashes the deps a dry run does not write)."""
+    from tasks.spec import dvc_yaml
+
+    files = {name: (ran.root / name).read_text() for name in ("pipelines.yaml", "dvc.yaml")}
+    try:
+        config = yaml.safe_load(files["pipelines.yaml"])
+        config["pipelines"]["never"] = copy.deepcopy(config["pipelines"]["small"])
+        (ran.root / "pipelines.yaml").write_text(yaml.safe_dump(config))
+        (ran.root / "dvc.yaml").write_text(dvc_yaml(ran.root))
+        assert "up to date" in ran.dvc("status", "register@small")
+        dry = ran.dvc("repro", "--dry", "register@small")
+        assert "Running stage" not in dry and "Data and pipelines are up to date" in dry, dry
+        bare = subprocess.run([sys.executable, "-m", "dvc", "repro", "--dry"], cwd=ran.root, env=ran.env(),
+                              capture_output=True, text=True, timeout=300)
+        assert bare.returncode != 0 and "data/never/collect" in bare.stdout + bare.stderr
+    finally:
+        for name, text in files.items():
+            (ran.root / name).write_text(text)

@@ -18,25 +18,29 @@ GATE = GateConfig(min_score=0.5, mode="non_inferior", margin=0.03, max_slice_reg
 
 
 def _eval_table(folder: Path, solved: int, tasks: int = 40, first: int = 0, null_solves: int = 0,
-                base_solves: int = 0) -> Path:
+                base_solves: int = 0, champion_solves: int | None = None) -> Path:
     """An eval table whose candidate rows solve the first `solved` of `tasks` held-out tasks (t<first>...); the
-    null policy and the base model the first `null_solves` and `base_solves`."""
+    null policy and the base model the first `null_solves` and `base_solves`; the champion, when it was scored
+    beside them, the first `champion_solves`."""
+    models = [("rl", solved), ("base", base_solves), ("null", null_solves)]
+    models += [] if champion_solves is None else [("champion", champion_solves)]
     rows = [{"task_id": f"t{first + i:03d}", "sample": 0, "reward": float(i < solves), "passed": i < solves,
              "slice": "even" if i % 2 == 0 else "odd", "model": model}
-            for model, solves in (("rl", solved), ("base", base_solves), ("null", null_solves)) for i in range(tasks)]
+            for model, solves in models for i in range(tasks)]
     path = folder / "eval.parquet"
     pd.DataFrame(rows).to_parquet(path, index=False)
     return path
 
 
-def _version(tmp_path: Path, label: str, solved: int | None, name: str = "p", first: int = 0, **table) -> str:
+def _version(tmp_path: Path, label: str, solved: int | None, name: str = "p", first: int = 0, tags: dict | None = None,
+             **table) -> str:
     """Register a model version with (or without, when solved is None) a stored eval table."""
     folder = tmp_path / label
     (folder / "model").mkdir(parents=True)
     (folder / "model" / "config.json").write_text(f'{{"id": "{label}"}}')
     table = _eval_table(folder, solved, first=first, **table) if solved is not None else None
     run = registry.start_run(tmp_path, name, "register")
-    return registry.register(run, name, folder / "model", f"hash-{label}", {}, ["challenger"],
+    return registry.register(run, name, folder / "model", f"hash-{label}", tags or {}, ["challenger"],
                              eval_table=table).version
 
 
@@ -156,6 +160,43 @@ def test_regating_fails_closed_when_the_held_out_sets_differ(tmp_path, mlflow_st
     assert any("do not pair by (task_id, sample): 40 rows only in the candidate's, 40 only in the champion's" in r
                for r in outcome.reasons), outcome.reasons
     assert not promotion.promote("p", other, GATE).promoted  # gated from the stored tables directly: the same
+    assert outcome.reasons[-1] == f"`flywheel promote p {other}` from the project root evaluates both on the " \
+        "current held-out tasks"
+
+
+def test_tables_on_other_tasks_gate_on_the_champion_the_version_was_scored_beside(tmp_path, mlflow_store):
+    """Traffic added held-out tasks between two evaluations; the later one scored the champion on its own tasks:
+    after a rollback the later version is promoted again from that evaluation, with no new one."""
+    first = _version(tmp_path, "first", 30)
+    promotion.promote("p", first, GATE)
+    later = _version(tmp_path, "later", 38, first=100, champion_solves=30, tags={"flywheel.gate_champion": first})
+    assert promotion.promote("p", later, GATE).promoted
+    assert promotion.rollback("p").champion == first
+    again = promotion.promote("p", later, GATE)
+    assert again.promoted, again.reasons
+    assert again.reasons[0].startswith(f"the stored tables of versions {later} and {first} are on other held-out "
+                                       f"tasks: gated on version {later}'s own evaluation")
+    assert any("non-inferiority: diff +0.2000" in r for r in again.reasons), again.reasons
+
+
+def test_tables_on_other_tasks_are_scored_again_when_a_way_is_given(tmp_path, mlflow_store):
+    """No evaluation scored both on the same tasks: `reevaluate` scores them again; the gate reads that."""
+    champion = _version(tmp_path, "champion", 30)
+    other = _version(tmp_path, "other", 40, first=100)
+    promotion.promote("p", champion, GATE)
+    asked = []
+
+    def reevaluate(version: str, against: str) -> tuple[pd.DataFrame, str]:
+        asked.append((version, against))
+        frame = pd.read_parquet(_eval_table(tmp_path / "other", 36, first=200, champion_solves=30, tasks=40))
+        return frame, "MLflow run abc"
+
+    outcome = promotion.promote("p", other, GATE, reevaluate=reevaluate)
+    assert asked == [(other, champion)]
+    assert outcome.promoted, outcome.reasons
+    assert outcome.reasons[0] == (f"the stored tables of versions {other} and {champion} are on other held-out "
+                                  "tasks: both evaluated again on the current 40 held-out tasks (MLflow run abc); "
+                                  "the base-model ceiling check is the one taken at registration")
 
 
 @pytest.mark.parametrize(("table", "why"), [

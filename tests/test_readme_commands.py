@@ -103,7 +103,8 @@ FIGURES = {
     "smol.py": {"steps", "batch_size", "stage_tokens_per_s", "bare_trl_tokens_per_s", "ratio", "harness_tokens_per_s",
                 "bare_generate_tokens_per_s", "generate_ratio"},
     "serve.py": {"requests", "server_requests_per_s", "server_mean_latency_s", "generate_requests_per_s",
-                 "generate_mean_latency_s", "ratio"},
+                 "generate_mean_latency_s", "ratio", "clients", "concurrent_requests_per_s", "concurrent_p50_s",
+                 "concurrent_p95_s", "generate_p50_s", "generate_p95_s", "concurrent_ratio"},
 }
 
 

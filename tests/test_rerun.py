@@ -118,7 +118,7 @@ def test_runs_that_cannot_be_rerun_are_refused_clearly(project):
     from flywheel import registry
     from flywheel.reproduce import RerunError
 
-    with pytest.raises(RerunError, match="no MLflow run 'f00d'"):
+    with pytest.raises(RerunError, match="no retrain run.* with an id starting 'f00d'"):
         rerun("f00d", root=str(project))
     stage = registry.start_run(project, "small", "sft")
     with pytest.raises(RerunError, match="is a 'sft' run, not a retrain run"):
@@ -126,6 +126,8 @@ def test_runs_that_cannot_be_rerun_are_refused_clearly(project):
     older = _retrain_record(project, lock=None, config=False)
     with pytest.raises(RerunError, match="recorded by an older version: no config snapshot"):
         rerun(older, root=str(project))
+    with pytest.raises(RerunError, match=f"run {older} was recorded by an older version"):
+        rerun(older[:8], root=str(project))  # the first characters, as `flywheel compare` prints an id
     failed = registry.start_run(project, "small", "retrain")
     failed.end(ok=False)
     with pytest.raises(RerunError, match="did not finish"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -96,6 +97,11 @@ def test_pyfunc_loads_the_champion_and_answers_with_parsed_tool_calls(uri):
     expected = HFPolicy(checkpoint, device="cpu").generate([_prompt()], tools, Sampling(max_new_tokens=48))[0]
     assert [c["function"] for c in message["tool_calls"]] == [c["function"] for c in expected.message["tool_calls"]]
     assert message["tool_calls"][0]["function"]["name"] == "calculator"
+    # predict_stream: the same answer as chat.completion.chunk dicts (role, tool calls, finish)
+    chunks = list(model.predict_stream({"messages": _prompt(), "tools": tools, "temperature": 0.0, "max_tokens": 48}))
+    streamed = chunks[1]["choices"][0]["delta"]["tool_calls"]
+    assert [c["function"] for c in streamed] == [c["function"] for c in message["tool_calls"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # the registered version carries a chat-messages input example with tools, and the student's template
     folder = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1"))
     example = json.loads((folder / "input_example.json").read_text())
@@ -233,27 +239,81 @@ def test_the_backend_is_transformers_without_vllm_and_a_gpu():
         choose_backend("vllm")
 
 
+def _readme_serve_command() -> str:
+    """The README's `mlflow models serve` command, its lines joined, as a user copies it."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"^```bash\n(.*?)^```", readme, flags=re.M | re.S)
+    lines = [line.strip() for block in blocks for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
+    commands = [line for line in lines if "mlflow models serve" in line]
+    assert len(commands) == 1, f"README.md should show one `mlflow models serve` command, shows {commands}"
+    return commands[0]
+
+
+# A tool whose parameters use JSON-Schema keywords MLflow's own chat types refuse
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "description": "Look an order up.",
+    "parameters": {"type": "object", "required": ["order"], "additionalProperties": False, "properties": {
+        "order": {"type": "integer", "minimum": 0},
+        "note": {"type": "string", "maxLength": 40},
+        "filter": {"type": "object", "properties": {"status": {"type": "string", "enum": ["open", "closed"]},
+                                                    "lines": {"type": "array", "items": {"type": "integer"}}}}}}}}
+
+
+def _said(answer: dict) -> list:
+    """What each choice says (content, calls, finish), without the ids that differ between two answers."""
+    return [(c["message"]["content"], [t["function"] for t in c["message"].get("tool_calls", [])], c["finish_reason"])
+            for c in answer["choices"]]
+
+
 @pytest.mark.slow
-def test_mlflow_models_serve_answers_on_loopback(uri, tmp_path):
+def test_the_readme_mlflow_models_serve_command_answers_and_streams(uri, store, tmp_path):
+    import mlflow
+
     from flows.deployments import free_port, serving, stop_process_group
 
     port = free_port()
+    command = _readme_serve_command()
+    mine = command.replace("models:/demo@champion", f"models:/{NAME}@champion").replace("-p 5001", f"-p {port}")
+    assert mine.count(NAME) == 1 and str(port) in mine, f"the README's command changed shape: {command}"
+    # a checkout after `make demo` (its .venv, its MLflow store), in a shell with no venv activated
+    venv_bin = Path(sys.executable).parent
+    checkout = tmp_path / "checkout"
+    (checkout / ".flywheel").mkdir(parents=True)
+    (checkout / ".flywheel" / "mlflow.db").symlink_to(store[1] / "mlflow.db")
+    (checkout / ".venv").symlink_to(venv_bin.parent)
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and Path(p).resolve() != venv_bin.resolve()]
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "VIRTUAL_ENV")}
     log = tmp_path / "models-serve.log"
     with log.open("wb") as out:
-        process = subprocess.Popen(
-            [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", f"models:/{NAME}@champion",
-             "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
-            # it runs `uvicorn` by name: the venv's bin on PATH, as in an activated venv
-            env=os.environ | {"MLFLOW_TRACKING_URI": uri,
-                              "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"},
-            stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
+        process = subprocess.Popen(["bash", "-c", mine], cwd=checkout, env=env | {"PATH": os.pathsep.join(path)},
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
     try:
-        assert serving(f"http://127.0.0.1:{port}/ping", process, 180), log.read_text()[-3000:]
-        body = {"messages": _prompt(), "tools": CalculatorEnv().tools(), "temperature": 0.0, "max_tokens": 48}
-        reply = httpx.post(f"http://127.0.0.1:{port}/invocations", json=body, timeout=120)
+        assert serving(f"{url}/ping", process, 180), log.read_text()[-3000:]
+        body = {"messages": _prompt(), "tools": CalculatorEnv().tools(), "temperature": 0.0, "max_tokens": 48,
+                "seed": None, "model": NAME}  # null and unknown keys as some OpenAI clients send them
+        reply = httpx.post(f"{url}/invocations", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
-        call = reply.json()["choices"][0]["message"]["tool_calls"][0]
+        answer = reply.json()
+        assert answer["object"] == "chat.completion" and answer["choices"][0]["finish_reason"] == "tool_calls"
+        call = answer["choices"][0]["message"]["tool_calls"][0]
         assert call["function"]["name"] == "calculator"
+
+        # any JSON Schema in a tool's parameters: the answer is the one the loaded model gives (greedy)
+        rich = body | {"tools": body["tools"] + [LOOKUP]}
+        reply = httpx.post(f"{url}/invocations", json=rich, timeout=120)
+        assert reply.status_code == 200, reply.text
+        local = mlflow.pyfunc.load_model(f"models:/{NAME}@champion").predict(rich)
+        assert _said(reply.json()) == _said(local) and reply.json()["model"] == NAME
+
+        chunks = httpx.post(f"{url}/invocations", json=body | {"stream": True}, timeout=120).json()
+        assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert deltas[0]["role"] == "assistant" and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        assert [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d] == [call["function"]]
+
+        bad = body | {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}
+        refused = httpx.post(f"{url}/invocations", json=bad, timeout=60)
+        assert refused.status_code == 400 and "tools[0].function.parameters" in refused.json()["message"]
     finally:
         stop_process_group(process)

@@ -35,8 +35,38 @@ def test_two_rounds_serve_the_champion_and_collect_its_traffic(project, prefect_
     assert served and {s["version"] for s in served} == {rounds[0][1]}
     assert set(traces.loc[traces["metadata"].str.contains('"served"'), "outcome"]) <= {"accepted", "rejected"}
 
+    # a rollback, then the rolled-back version promoted again: its stored evaluation is on the held-out tasks of
+    # round 2, the first version's on round 1's (fewer: traffic added tasks), yet it pairs with the champion
+    _rollback_and_promote_again(project, rounds[1][1])
+
     # without the traffic folder among the sources the loop refuses before doing anything
     config["pipelines"]["small"]["collect"]["sources"] = ["examples/traces/*.jsonl"]
     (project / "pipelines.yaml").write_text(yaml.safe_dump(config))
     refused = CliRunner().invoke(app, ["loop", "small", "--root", str(project)])
     assert refused.exit_code == 2 and "traces/served/small/*.jsonl" in refused.output
+
+
+def _rollback_and_promote_again(project, latest: str) -> None:
+    from mlflow import MlflowClient
+    from typer.testing import CliRunner
+
+    from flywheel import promotion, registry
+    from flywheel.cli import app
+    from flywheel.config import load_pipeline
+
+    previous = MlflowClient().get_model_version("small", latest).tags.get("flywheel.previous_champion")
+    assert previous, "round 2 promoted its version over round 1's"
+    runner = CliRunner()
+    back = runner.invoke(app, ["promote", "small", "--rollback", "--root", str(project)])
+    assert back.exit_code == 0 and f"champion is version {previous}" in back.output, back.output
+    again = runner.invoke(app, ["promote", "small", latest, "--root", str(project)])
+    assert again.exit_code == 0, again.output
+    assert f"champion is version {latest} (gate; was {previous})" in again.output
+    assert "do not pair" not in again.output
+    # both scored again on today's held-out tasks, as promote does when no evaluation scored them side by side
+    cfg = load_pipeline("small", project / "pipelines.yaml")
+    table, where = promotion.evaluate_now("small", latest, previous, project, cfg)
+    heldout = registry.client().search_runs(
+        [registry.client().get_experiment_by_name("small").experiment_id], "attributes.run_name = 'eval'")
+    assert set(table["model"]) == {"null", "rl", "champion"} and where.startswith("MLflow run ")
+    assert heldout and int(heldout[0].data.params["heldout_tasks"]) == table["task_id"].nunique()

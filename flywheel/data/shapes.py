@@ -30,7 +30,7 @@ class SourceError(RuntimeError):
 
 
 class PartialTurn(Exception):
-    """A proxy log of a call that ended in tool calls: the next call's log holds the whole turn."""
+    """A proxy log of a call that ended in tool calls, with no label: the next call's log holds the whole turn."""
 
 
 @dataclass
@@ -47,6 +47,7 @@ class Parts:
     scenario: str = ""  # the user's goal, "" when the record has none
     expected_actions: list[dict] | None = None  # [{name, arguments}], None when the record has none
     missing: tuple[str, ...] = ()  # fields the source names that this record lacks (counted by collect)
+    partial: bool = False  # a proxy call that ended in tool calls, kept for its label: the messages end in them
 
 
 _MISSING = object()
@@ -97,7 +98,8 @@ def shape_of(record: dict, source: SourceConfig) -> str:
 
 
 def extract(record: dict, source: SourceConfig) -> Parts:
-    """The parts of one record; raise BadRecord, or PartialTurn for a proxy call that ended in tool calls."""
+    """The parts of one record; raise BadRecord, or PartialTurn for a proxy call that ended in tool calls and
+    carries no label (a labelled one is kept, `partial`, so that collect can join its label to the whole turn)."""
     shape = shape_of(record, source)
     where, consumed = _layout(source, shape)
     found = {name: _first(record, paths) for name, paths in where.items()}
@@ -109,31 +111,33 @@ def extract(record: dict, source: SourceConfig) -> Parts:
     messages = _json_text(found["messages"], where["messages"][0])
     if messages is _MISSING:
         raise BadRecord("missing_field", f"no messages at '{where['messages'][0]}'")
+    partial = False
     if shape == "proxy" and not source.fields.messages:
         if not isinstance(messages, list):
             raise BadRecord("wrong_type", "request.messages is not a list")
         reply = get_path(record, "response.choices.0.message")
         if not isinstance(reply, dict):
             raise BadRecord("no_response", "the response has no choices[0].message (a failed call?)")
-        if reply.get("tool_calls"):
-            raise PartialTurn()
+        partial = bool(reply.get("tool_calls"))
         messages = [*messages, reply]
         consumed.append("response.choices")
-    tools = _json_text(found["tools"], where["tools"][0])
     score = found["score"]
     if score is _MISSING or score is None:
         score = None
     elif isinstance(score, bool) or not isinstance(score, int | float):
         raise BadRecord("wrong_type", f"score at '{where['score'][0]}' is not a number ({score!r})")
+    outcome = outcome_of(found["outcome"], score, source.outcome, where["outcome"][0])
+    if partial and outcome == "unknown" and score is None:
+        raise PartialTurn()  # no verdict to keep: the turn is in the call that completes it
+    tools = _json_text(found["tools"], where["tools"][0])
     missing = tuple(name for name in _OPTIONAL if getattr(source.fields, name) and found[name] in (_MISSING, None))
     return Parts(messages=messages, tools=[] if tools is _MISSING or tools is None else tools,
-                 outcome=outcome_of(found["outcome"], score, source.outcome, where["outcome"][0]),
-                 score=float(score) if score is not None else None,
+                 outcome=outcome, score=float(score) if score is not None else None,
                  record_id="" if found["id"] in (_MISSING, None) else str(found["id"]),
                  time=timestamp(found["time"]), metadata=_without(record, consumed),
                  scenario=_scenario(found["scenario"], where["scenario"][0]),
                  expected_actions=expected_actions(found["expected_actions"], where["expected_actions"][0]),
-                 missing=missing)
+                 missing=missing, partial=partial)
 
 
 def _scenario(value, path: str) -> str:

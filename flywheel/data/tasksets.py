@@ -48,8 +48,19 @@ def trace_task(env: Environment, heldout_fraction: float, trace: dict,
     """
     if messages is not None:
         trace = {**trace, "messages": messages}
+    if _ends_in_calls(trace["messages"]):
+        return None  # a turn kept for its label that nothing completed: it has no answer to check
     task = env.task_from_trace(trace, heldout_fraction)
     return None if task is None else (task.task_id, prompt_hash(task.prompt), task_row(task, "trace"))
+
+
+def _ends_in_calls(messages: str | bytes | list[dict]) -> bool:
+    """Whether a conversation ends in tool calls nothing answered (collect keeps such a turn for its label)."""
+    if isinstance(messages, str | bytes):
+        if not messages.endswith("]}]" if isinstance(messages, str) else b"]}]"):  # cheap: most end in content
+            return False
+        messages = orjson.loads(messages)
+    return bool(messages) and isinstance(messages[-1], dict) and bool(messages[-1].get("tool_calls"))
 
 
 # A trace's task as collect's workers make it (made_tasks), in columns beside the trace's row through collect's

@@ -46,8 +46,8 @@ SCHEMA = pa.schema([("trace_id", pa.string()), ("record_id", pa.string()), ("sou
                     ("split", pa.string()), ("group", pa.string()), ("scenario", pa.string()),
                     ("expected_actions", pa.string()), ("metadata", pa.string())])
 
-__all__ = ["BadRecord", "Collected", "Reader", "collect", "gc_paused", "normalise_messages", "system_allocator",
-           "to_trace"]
+__all__ = ["BadRecord", "Collected", "Reader", "collect", "gc_paused", "label_counts", "normalise_messages",
+           "system_allocator", "to_trace"]
 
 
 class Reader(Protocol):
@@ -73,7 +73,9 @@ class Collected:
     reasons: Counter = field(default_factory=Counter)  # per kind
     redacted: Counter = field(default_factory=Counter)  # per kind
     duplicates: int = 0
-    partial: int = 0
+    partial: int = 0  # calls that ended in tool calls, with no label: skipped (the next call holds the turn)
+    labels_joined: int = 0  # in `table`: labels of such calls, on the conversation that completes them
+    labels_on_partial: int = 0  # in `table`: such calls kept as traces for their label (nothing completes them)
     states: dict[str, dict] = field(default_factory=dict)
     missing: Counter = field(default_factory=Counter)  # per field a source names: records without it
     warnings: list[str] = field(default_factory=list)  # records kept, with something to look at
@@ -84,8 +86,11 @@ class Collected:
         return self.table.select(SCHEMA.names).to_pylist()
 
 
-def normalise_messages(messages) -> list[dict]:
-    """OpenAI chat messages with only the keys that matter, each tool call answered by id, in call order."""
+def normalise_messages(messages, open_end: bool = False) -> list[dict]:
+    """OpenAI chat messages with only the keys that matter, each tool call answered by id, in call order.
+
+    `open_end`: the last message's tool calls may be unanswered (a call that ended in them, kept for its label).
+    """
     if not isinstance(messages, list):
         raise BadRecord("wrong_type", "messages is not a list")
     if not messages:
@@ -118,7 +123,7 @@ def normalise_messages(messages) -> list[dict]:
             out.append({"role": role, "content": content or None, "tool_calls": calls})
         else:
             out.append({"role": role, "content": content})
-    if pending:
+    if pending and not (open_end and not results):
         _close(out, pending, results, before=None)
     if not any(m["role"] == "user" for m in out):
         raise BadRecord("no_user_message", "conversation has no user message")
@@ -199,7 +204,7 @@ def _to_trace(record: dict, source: SourceConfig, location: str, cfg: CollectCon
     """to_trace's row, its messages as a list (what json.loads of the row's `messages` gives), and the fields
     the config names that the record lacks (scenario, expected_actions, group)."""
     parts = extract(record, source)
-    messages, tools = normalise_messages(parts.messages), _list(parts.tools, "tools")
+    messages, tools = normalise_messages(parts.messages, open_end=parts.partial), _list(parts.tools, "tools")
     tools_text = _tools_text(tools)
     # Gated first, as one text, since most records have nothing to redact: the strings of the messages (their
     # shape is normalise_messages's), the tool list as its text (which holds all its strings), the rest
@@ -355,8 +360,9 @@ def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
             tasks_of: Callable[[list[dict], list[list[dict]]], pa.Table] | None = None) -> Collected:
     """Previous rows plus every record the readers yield (after their watermarks in `since`, if given).
 
-    The result does not depend on which records came in which run: duplicates keep the earliest row and both
-    tables are sorted, so an incremental run writes the same tables as a full re-collect of the same records.
+    The result does not depend on which records came in which run: duplicates keep the earliest row, the label
+    of a call that ended in tool calls joins the conversation that completes it (keep_earliest), and both tables
+    are sorted, so an incremental run writes the same tables as a full re-collect of the same records.
     Records are processed in batches of BATCH (read, checked, normalised, redacted, made an Arrow table and
     pandera-checked and, with `tasks_of(rows, their messages)`, given its columns: tasksets.made_tasks, the
     rows' tasks, for tasksets.task_table), by `cfg.workers` processes once there is more than one batch; the
@@ -383,6 +389,7 @@ def collect(readers: Iterable[Reader], cfg: CollectConfig, redactor: Redactor,
 
     rows = pa.concat_tables(tables) if tables else _placed(to_arrow([]))
     found.table, found.duplicates, found.new, _ = keep_earliest(to_arrow(previous[0]), rows)
+    found.labels_joined, found.labels_on_partial = label_counts(found.table)
     unique = {tuple(q[k] for k in ("source", "location", "kind", "reason", "raw")): q for q in previous[1] + bad}
     found.quarantine = sorted(unique.values(), key=lambda q: (q["source"], *_place(q["location"]), q["kind"],
                                                               q["reason"], q["raw"]))
@@ -568,7 +575,8 @@ def _placed(table: pa.Table) -> pa.Table:
 
 
 def keep_earliest(previous: pa.Table, rows: pa.Table) -> tuple[pa.Table, int, Counter, pa.Table]:
-    """Previous and new rows sorted by `order`, each trace_id's earliest kept (of equals, the first given);
+    """Previous and new rows sorted by `order`, each trace_id's earliest kept (of equals, the first given), the
+    label of a partial turn on the conversation that completes it (join_labels);
     (the table, new rows whose trace_id was already there, new rows kept per source, the new rows kept).
 
     Columns the new rows have beside the traces schema (collect's tasks_of) are kept, null for previous rows.
@@ -579,13 +587,13 @@ def keep_earliest(previous: pa.Table, rows: pa.Table) -> tuple[pa.Table, int, Co
         if column.name not in SCHEMA.names and column.name not in _PLACE:
             previous = previous.append_column(column, pa.nulls(previous.num_rows, column.type))
     previous = _placed(previous)
-    both = pa.concat_tables([previous, rows])
+    both, joined = join_labels(pa.concat_tables([previous, rows]))
     keys = [(name, "ascending") for name in ("collected_at", "source", *_PLACE, "trace_id")]
     ranked = pc.sort_indices(both, sort_keys=keys)  # a stable sort: equals stay in the order given
     seen: set[str] = set()
     kept = []
     for i, trace_id in zip(ranked.to_pylist(), both.column("trace_id").take(ranked).to_pylist(), strict=True):
-        if trace_id not in seen:
+        if trace_id not in seen and i not in joined:
             seen.add(trace_id)
             kept.append(i)
     new_ids = set(rows.column("trace_id").to_pylist())
@@ -594,6 +602,91 @@ def keep_earliest(previous: pa.Table, rows: pa.Table) -> tuple[pa.Table, int, Co
     fresh = table if not previous.num_rows else (  # a full collect's: every row, not a copy of them
         table.filter(pa.array([i >= previous.num_rows for i in kept], pa.bool_())))
     return table, duplicates, Counter(fresh.column("source").to_pylist()), fresh
+
+
+# A call that ended in tool calls, kept for its label (shapes.extract's `partial`): its messages end in those
+# calls, and normalised messages as JSON text end in `]}]` exactly then (any other last message ends in its
+# content, a JSON string or null)
+OPEN_END = "]}]"
+
+
+def join_labels(both: pa.Table) -> tuple[pa.Table, set[int]]:
+    """Rows (placed) with the label of each partial turn (a call that ended in tool calls, kept for its label) on
+    the conversation that completes it: (the rows plus one per such label, the partial turns' rows now joined).
+
+    An agent's turn is several calls: one ends in tool calls, the client runs them, and the next call sends the
+    whole conversation with their results. The completing conversation is the earliest row (by time, then
+    trace_id) that ends in no tool calls and whose messages begin with the partial turn's; its row is added with
+    the label's outcome, score, source and location (so it sorts with the labels that count first: a label
+    kept in `labels-*` before the unlabelled `traffic-*` copy), and its metadata names the labelled answer
+    (`labelled_answer`, its record id). A partial turn that nothing completes stays a row of its own: its label
+    is counted among the outcomes, and an accepted one may be a training target that ends in its tool calls.
+
+    Joined in one run or over several, the table is the same, as long as a completing call is not read before
+    an earlier call that also completes the turn (an agent's calls come in order).
+    """
+    messages = both.column("messages")
+    partial = pc.ends_with(messages, OPEN_END)
+    at = _where(partial)
+    if not at:
+        return both, set()
+    complete, times, ids = pc.invert(partial), both.column("collected_at"), both.column("trace_id")
+    pairs = []  # (the partial turn's row, its completing conversation's row)
+    for i in at:
+        opened = messages[i].as_py()[:-1] + ", "  # its messages, then more
+        found = _where(pc.and_(complete, pc.starts_with(messages, pattern=opened)))
+        if found:
+            pairs.append((i, min(found, key=lambda j: (times[j].as_py(), ids[j].as_py()))))
+    if not pairs:
+        return both, set()
+    labels = both.take([i for i, _ in pairs]).select(["record_id", "source", "location", "outcome", "score",
+                                                      "metadata"]).to_pylist()
+    rows = both.take([j for _, j in pairs]).drop_columns(_PLACE)
+    given = {name: [label[name] for label in labels] for name in ("source", "location", "outcome", "score")}
+    given["metadata"] = [_labelled(text, label) for text, label in
+                         zip(rows.column("metadata").to_pylist(), labels, strict=True)]
+    for column in rows.schema:
+        if column.name in given:
+            values = pa.array(given[column.name], column.type)
+        elif column.name not in SCHEMA.names:  # tasks_of's columns: the task is made again, with the label
+            values = pa.nulls(rows.num_rows, column.type)
+        else:
+            continue
+        rows = rows.set_column(rows.schema.get_field_index(column.name), column, values)
+    return pa.concat_tables([both, _placed(rows)]), {i for i, _ in pairs}
+
+
+def _labelled(metadata: str, label: dict) -> str:
+    """The completing conversation's metadata with the label's time (`labelled_at`, if it has one) and the
+    answer it labelled: the same whichever copy of that conversation it was (a label of its own, or none)."""
+    out = json.loads(metadata)
+    out.pop("labelled_at", None)
+    at = json.loads(label["metadata"]).get("labelled_at")
+    if at is not None:
+        out["labelled_at"] = at
+    out["labelled_answer"] = label["record_id"]
+    return _JSON_SORTED(out)
+
+
+def label_counts(table: pa.Table) -> tuple[int, int]:
+    """(Rows labelled through a partial turn they complete, partial turns kept for their label) in a traces table."""
+    joined = pc.sum(pc.match_substring(table.column("metadata"), '"labelled_answer": ')).as_py()
+    partial = pc.sum(pc.ends_with(table.column("messages"), OPEN_END)).as_py()
+    return joined or 0, partial or 0
+
+
+def completes_stored(stored: pa.Table, rows: pa.Table) -> bool:
+    """Whether new rows may complete a partial turn of the stored table: then they cannot simply be appended
+    (tracetable.merge), the table is merged whole (keep_earliest) so that the label joins them."""
+    messages = stored.column("messages")
+    new = rows.column("messages")
+    return any(pc.any(pc.starts_with(new, pattern=messages[i].as_py()[:-1] + ", ")).as_py()
+               for i in _where(pc.ends_with(messages, OPEN_END)))
+
+
+def _where(mask: pa.ChunkedArray) -> list[int]:
+    """The positions where a boolean column is true (one array first: Arrow 25 crashes on a column of no chunks)."""
+    return pc.indices_nonzero(mask.combine_chunks()).to_pylist()
 
 
 def _schema_check(rows: list[dict]) -> tuple[list[dict], pa.Table, list[dict]]:

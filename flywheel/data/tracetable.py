@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 
 from flywheel.data import tasksets
 from flywheel.data.catalog import Catalog
-from flywheel.data.trace_rows import SCHEMA, keep_earliest, order, to_arrow
+from flywheel.data.trace_rows import SCHEMA, completes_stored, keep_earliest, order, to_arrow
 
 __all__ = ["SCHEMA", "Merged", "Written", "merge", "to_arrow", "unchanged", "write"]
 
@@ -51,7 +51,9 @@ def merge(stored: pa.Table | None, rows: pa.Table) -> Merged:
     # appended: every new trace comes after the stored table (rows are sorted: the first says), and every
     # later copy of a stored trace comes after its stored copy, which therefore stays (a retried upload)
     later = all(order(row) >= order(k) for row, k in zip(twins, kept, strict=True))
-    if later and (not fresh.num_rows or order(fresh.slice(0, 1).to_pylist()[0]) > last):
+    # ... and no new row completes a turn stored for its label (the label joins it: keep_earliest)
+    if later and (not fresh.num_rows or (order(fresh.slice(0, 1).to_pylist()[0]) > last
+                                         and not completes_stored(stored, fresh))):
         table = pa.concat_tables([stored, fresh.select(SCHEMA.names)]).combine_chunks()
         return Merged(table, fresh, True, len(twins), Counter(fresh.column("source").to_pylist()))
     # new rows among the stored ones: sorted again as a whole (the slow path, for late or back-filled records)

@@ -3,10 +3,17 @@
 The pyfunc model (mlflow_model.py) and the HTTP server (server.py) both answer through ChatEngine, so the
 registered model and the served one give the same answer to the same request. Tool calls come out of the
 policy already parsed by the harness's one parser (flywheel/policies/toolcalls.py).
+
+Generation is not constrained; `tool_choice` is applied to what the model wrote. "none" (and a request without
+tools) never answers with tool calls: the tools are left out of the prompt and any `<tool_call>` text the model
+still writes is cut from the content. "required" and a named function need a (matching) call in every choice,
+or the request fails with a 422 `tool_choice_not_met`: a greedy retry would write the same text, so the server
+does not retry, and the client decides (sample, or ask with "auto").
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,6 +24,8 @@ from flywheel.policies.base import Policy, Sampling
 
 MAX_N = 16
 MAX_DEFAULT_TOKENS = 1024  # when a request gives no max_tokens: the rest of the context, up to this
+MAX_STOP = 4  # stop sequences per request, as OpenAI allows
+CALL_TEXT = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)  # closed or not: cut under "none"
 
 
 class RequestError(ValueError):
@@ -27,13 +36,17 @@ class RequestError(ValueError):
         self.param, self.code, self.status = param, code, status
 
     def body(self) -> dict:
-        kind = "not_found_error" if self.status == 404 else "invalid_request_error"
+        kind = "not_found_error" if self.status == 404 else "server_error" if self.status >= 500 else \
+            "invalid_request_error"
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """What a chat.completions request asks for, checked: normalised messages, tools, n and sampling."""
+    """What a chat.completions request asks for, checked: normalised messages, tools, n and sampling.
+
+    `tools` are those the prompt shows: none under tool_choice "none", only the named one under a named choice.
+    """
 
     messages: list[dict]
     tools: list[dict]
@@ -43,6 +56,11 @@ class ChatRequest:
     max_tokens: int | None
     seed: int | None
     stream: bool
+    tool_choice: str = "auto"  # none, auto or required (a named function is required, with `function`)
+    function: str | None = None
+    parallel_tool_calls: bool = True
+    stop: tuple[str, ...] = ()
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 def parse_request(body) -> ChatRequest:
@@ -56,22 +74,54 @@ def parse_request(body) -> ChatRequest:
     except BadRecord as why:
         raise RequestError(f"messages: {why}", param="messages", code="invalid_messages") from None
     tools = check_tools(body.get("tools"))
-    choice = body.get("tool_choice", "auto")
-    if choice == "none":
-        tools = []
-    elif choice not in ("auto", None):
-        raise RequestError("tool_choice: only 'auto' and 'none' are supported", param="tool_choice",
-                           code="unsupported_value")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    choice, function = check_tool_choice(body.get("tool_choice"), tools)
+    shown = [] if choice == "none" else [t for t in tools if t["function"]["name"] == function] if function else tools
+    # max_completion_tokens is OpenAI's newer name for max_tokens: it wins when both are given
+    max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not (stream and isinstance(options, dict)):
+        raise RequestError("stream_options must be an object, given only with stream: true", param="stream_options",
+                           code="invalid_value")
     return ChatRequest(
-        messages=messages, tools=tools,
+        messages=messages, tools=shown,
         n=_number(body, "n", 1, 1, MAX_N, integer=True),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        max_tokens=None if max_tokens is None else _number({"max_tokens": max_tokens}, "max_tokens", None, 1,
-                                                           1 << 20, integer=True),
+        max_tokens=_number(body, max_key, None, 1, 1 << 20, integer=True),
         seed=None if body.get("seed") is None else _number(body, "seed", 0, -(1 << 62), 1 << 62, integer=True),
-        stream=_flag(body, "stream"))
+        stream=stream, tool_choice=choice, function=function,
+        parallel_tool_calls=_flag(body, "parallel_tool_calls", default=True),
+        stop=_stop(body.get("stop")),
+        include_usage=_flag(options or {}, "include_usage", param="stream_options.include_usage"))
+
+
+def check_tool_choice(choice, tools: list[dict]) -> tuple[str, str | None]:
+    """(none | auto | required, the function a named choice forces); "none" whenever the request has no tools."""
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if isinstance(name, str):
+        names = [t["function"]["name"] for t in tools]
+        if name not in names:
+            raise RequestError(f"tool_choice names the function '{name}', which is not among the request's tools "
+                               f"({', '.join(names) or 'none given'})", param="tool_choice", code="invalid_value")
+        return "required", name
+    choice = "auto" if choice is None else choice
+    if choice not in ("none", "auto", "required"):
+        raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
+                           f"{{'name': ...}}}}, not {choice!r}", param="tool_choice", code="invalid_value")
+    if choice == "required" and not tools:
+        raise RequestError("tool_choice 'required' needs tools: the request gives none", param="tool_choice",
+                           code="invalid_value")
+    return (choice if tools else "none"), None
+
+
+def _stop(value) -> tuple[str, ...]:
+    stops = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"stop must be a non-empty string or a list of up to {MAX_STOP} of them, not {value!r}",
+                           param="stop", code="invalid_value")
+    return tuple(stops)
 
 
 def check_tools(tools) -> list[dict]:
@@ -116,11 +166,12 @@ def _number(body: dict, key: str, default, low, high, integer: bool = False):
     return value if integer else float(value)
 
 
-def _flag(body: dict, key: str) -> bool:
-    value = body.get(key, False)
+def _flag(body: dict, key: str, default: bool = False, param: str | None = None) -> bool:
+    value = body.get(key)
     if not isinstance(value, bool | None):
-        raise RequestError(f"{key} must be true or false, not {value!r}", param=key, code="invalid_value")
-    return bool(value)
+        raise RequestError(f"{param or key} must be true or false, not {value!r}", param=param or key,
+                           code="invalid_value")
+    return default if value is None else value
 
 
 def input_example(env) -> dict:
@@ -159,7 +210,10 @@ class ChatEngine:
         return len(encoded["input_ids"])
 
     def answer(self, request: ChatRequest, model: str) -> dict:
-        """The chat.completion for the request: n choices, tool calls parsed, usage counted."""
+        """The chat.completion for the request: n choices, tool calls parsed and held to tool_choice, usage counted.
+
+        Usage counts the prompt once (as OpenAI does for n > 1) and every token generated, stop sequences or not.
+        """
         prompt = self.prompt_tokens(request)
         room = self.context_length - prompt
         if room < 1:
@@ -173,8 +227,9 @@ class ChatEngine:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         choices, generated = [], 0
         for index, completion in enumerate(completions):
-            message = {"role": "assistant", "content": completion.message.get("content") or None}
-            calls = completion.message.get("tool_calls") or []
+            content, calls = _held_to_tool_choice(completion, request, index)
+            content, stopped = _cut_at_stop(content, request.stop)
+            message = {"role": "assistant", "content": content or None}
             if calls:  # ids unique across conversations, as OpenAI's are
                 message["tool_calls"] = [{**call, "id": f"call_{answer_id}_{index}_{i}"} for i, call in
                                          enumerate(calls)]
@@ -182,24 +237,58 @@ class ChatEngine:
                 message["content"] = ""
             ids = completion.token_ids or []
             generated += len(ids)
-            ended = bool(ids) and ids[-1] == eos
+            ended = stopped or (bool(ids) and ids[-1] == eos)
             finish = "tool_calls" if calls else "length" if len(ids) >= max_new and not ended else "stop"
             choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": None})
         return {"id": f"chatcmpl-{answer_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": model, "choices": choices,
-                "usage": {"prompt_tokens": prompt * request.n, "completion_tokens": generated,
-                          "total_tokens": prompt * request.n + generated}}
+                "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}}
 
 
-def stream_chunks(response: dict) -> Iterator[dict]:
-    """A finished answer as chat.completion.chunk events: role and content, tool calls, then the finish."""
-    head = {k: response[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+def _held_to_tool_choice(completion, request: ChatRequest, index: int) -> tuple[str, list[dict]]:
+    """(content, tool calls) of one completion as tool_choice and parallel_tool_calls allow; 422 when it cannot."""
+    if request.tool_choice == "none":
+        return CALL_TEXT.sub("", completion.text or completion.message.get("content") or "").strip(), []
+    calls = completion.message.get("tool_calls") or []
+    if request.function:
+        calls = [call for call in calls if call["function"]["name"] == request.function]
+    if not request.parallel_tool_calls:
+        calls = calls[:1]
+    if request.tool_choice == "required" and not calls:
+        wanted = f"a call to '{request.function}'" if request.function else "a tool call"
+        why = f" ({completion.error})" if completion.error else ""
+        raise RequestError(f"tool_choice asks for {wanted}, and choice {index} has none{why}; the model wrote "
+                           f"{completion.text[:200]!r}. Generation is not constrained: ask again with temperature > 0 "
+                           f"or with tool_choice 'auto'", param="tool_choice", code="tool_choice_not_met", status=422)
+    return completion.message.get("content") or "", calls
+
+
+def _cut_at_stop(content: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """The content up to the first stop sequence in it, and whether one was found."""
+    cuts = [content.find(s) for s in stop if s in content]
+    return (content[:min(cuts)], True) if cuts else (content, False)
+
+
+def stream_chunks(response: dict, include_usage: bool = False) -> Iterator[dict]:
+    """A finished answer as chat.completion.chunk events, choice by choice: the role, the content, each tool call
+    (with its `index`), the finish; then, with include_usage, a chunk with no choices and the usage."""
+    head = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+            "model": response["model"]}
+    if "system_fingerprint" in response:
+        head["system_fingerprint"] = response["system_fingerprint"]
+    if include_usage:
+        head["usage"] = None  # as OpenAI's: null on every chunk but the last
+
+    def chunk(index: int, delta: dict, finish: str | None = None) -> dict:
+        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
     for choice in response["choices"]:
-        message = choice["message"]
-        delta = {"role": "assistant", "content": message.get("content") or ""}
-        yield {**head, "choices": [{"index": choice["index"], "delta": delta, "finish_reason": None}]}
-        if message.get("tool_calls"):
-            calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-            yield {**head, "choices": [{"index": choice["index"], "delta": {"tool_calls": calls},
-                                        "finish_reason": None}]}
-        yield {**head, "choices": [{"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}]}
+        index, message = choice["index"], choice["message"]
+        yield chunk(index, {"role": "assistant", "content": ""})
+        if message.get("content"):
+            yield chunk(index, {"content": message["content"]})
+        for i, call in enumerate(message.get("tool_calls") or []):
+            yield chunk(index, {"tool_calls": [{"index": i, **call}]})
+        yield chunk(index, {}, choice["finish_reason"])
+    if include_usage:
+        yield {**head, "choices": [], "usage": response["usage"]}

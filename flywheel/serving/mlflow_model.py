@@ -1,33 +1,49 @@
-"""The registered student as an MLflow model: a pyfunc chat model over the checkpoint folder.
+"""The registered student as an MLflow model: a pyfunc model answering OpenAI chat.completions requests.
 
-A pyfunc ChatModel rather than the transformers flavor: the flavor's chat pipeline neither passes `tools` to the
-chat template nor parses `<tool_call>` text, and a LoRA adapter needs its base. This model answers in
-OpenAI's chat.completion format through the same ChatEngine as `flywheel serve-model`, so
+A plain PythonModel with a signature of its own. Not a ChatModel: its fixed signature types every tool's
+`parameters` key by key, so an ordinary JSON-Schema keyword (`minimum`, `maxLength`, ...) fails MLflow's schema
+check before the model sees it. Not the transformers flavor: its chat pipeline neither passes `tools` to the chat
+template nor parses `<tool_call>` text, and a LoRA adapter needs its base. Here the signature names the request's
+keys with MLflow's AnyType, and the request is checked by the same parse_request as `flywheel serve-model` (a bad
+one is an MLflow INVALID_PARAMETER_VALUE, HTTP 400, saying which key). So
 `mlflow.pyfunc.load_model("models:/<pipeline>@champion").predict({"messages": [...], "tools": [...]})` and
-`mlflow models serve -m models:/<pipeline>@champion` give the server's answers. Loading it needs the flywheel
-package importable (the project's environment: `mlflow models serve --env-manager local`).
+`mlflow models serve -m models:/<pipeline>@champion` (POST /invocations with the same body) give the server's
+answers. Loading it needs the flywheel package importable (`mlflow models serve --env-manager local` from the
+project's environment).
+
+Streaming: `predict_stream` yields chat.completion.chunk dicts (the MLmodel says `streamable`). MLflow 3.17's
+scoring server has no streamed response (it answers every request with one JSON body), so there a request with
+`"stream": true` gets the same chunks as one JSON list.
 """
 
 from __future__ import annotations
 
-import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
-with warnings.catch_warnings():  # ChatModel is "deprecated" in favour of ResponsesAgent, which is not
-    warnings.simplefilter("ignore")  # OpenAI chat.completions: the format the harness and collect speak
-    from mlflow.pyfunc import ChatModel
-    from mlflow.types.llm import ChatCompletionResponse
+import mlflow.pyfunc
+import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature
+from mlflow.types.schema import AnyType, Array, ColSpec, Schema
 
 from flywheel.registry import CHECKPOINT
+from flywheel.serving.chat import ChatRequest, RequestError, parse_request, stream_chunks
+
+# The chat.completions keys the engine reads, all but `messages` optional and every one of MLflow's AnyType: MLflow
+# passes them as sent (a tool's JSON Schema, a null seed) and parse_request checks them, as `flywheel serve-model`
+# does. Keys not named here (`model`, `user`) are dropped by MLflow's schema check.
+SIGNATURE = ModelSignature(inputs=Schema(
+    [ColSpec(Array(AnyType()), "messages")]
+    + [ColSpec(AnyType(), key, required=False)
+       for key in ("tools", "tool_choice", "parallel_tool_calls", "n", "temperature", "top_p", "max_tokens",
+                   "max_completion_tokens", "seed", "stop", "stream", "stream_options")]))
 
 
-class StudentChatModel(ChatModel):
+class StudentChatModel(mlflow.pyfunc.PythonModel):
     """The student checkpoint answering chat requests with tools; loaded on CPU unless a GPU is present."""
 
-    def __init__(self):
-        with warnings.catch_warnings():  # ChatModel's deprecation, as at its import above
-            warnings.simplefilter("ignore")
-            super().__init__()
+    signature = SIGNATURE
 
     def load_context(self, context) -> None:
         from flywheel.serving.chat import ChatEngine
@@ -35,34 +51,52 @@ class StudentChatModel(ChatModel):
         self.engine = ChatEngine.from_checkpoint(Path(context.artifacts[CHECKPOINT]))
         self.model_name = (context.model_config or {}).get("model_name", "student")
 
-    def predict(self, context, messages, params) -> ChatCompletionResponse:
-        from flywheel.serving.chat import parse_request
+    # the hint is what MLflow passes (a frame, after its schema check; dicts are taken too): with none, MLflow
+    # warns at every import that predict has no type hints
+    def predict(self, context, model_input: pd.DataFrame):
+        """The chat.completion for each request (its chunks as a list when it asks to stream); one: not a list."""
+        answers = []
+        for body in _requests(model_input):
+            request, response = self._answer(body)
+            answers.append(list(_chunks(request, response)) if request.stream else response)
+        return answers[0] if len(answers) == 1 else answers
 
-        body = {"messages": [m.to_dict() for m in messages], **_params(params)}
-        response = self.engine.answer(parse_request(body), self.model_name)
-        for choice in response["choices"]:
-            choice.pop("logprobs", None)
-        return ChatCompletionResponse.from_dict(response)
+    def predict_stream(self, context, model_input) -> Iterator[dict]:
+        """One request's answer as chat.completion.chunk dicts."""
+        requests = _requests(model_input)
+        if len(requests) != 1:
+            raise MlflowException.invalid_parameter_value(f"predict_stream takes one request, not {len(requests)}")
+        yield from _chunks(*self._answer(requests[0]))
+
+    def _answer(self, body: dict) -> tuple[ChatRequest, dict]:
+        try:
+            request = parse_request(body)
+            return request, self.engine.answer(request, self.model_name)
+        except RequestError as err:
+            raise MlflowException.invalid_parameter_value(str(err)) from None
 
 
-def _params(params) -> dict:
-    """ChatParams as the request keys the engine reads (tools back to plain OpenAI dicts)."""
-    out = {"temperature": params.temperature, "n": params.n}
-    for key in ("max_tokens", "top_p"):
-        if getattr(params, key) is not None:
-            out[key] = getattr(params, key)
-    if params.tools:
-        out["tools"] = [_plain(tool.to_dict()) for tool in params.tools]
-    if params.custom_inputs and "seed" in params.custom_inputs:
-        out["seed"] = int(params.custom_inputs["seed"])
-    return out
+def _chunks(request: ChatRequest, response: dict) -> Iterator[dict]:
+    return stream_chunks(response, include_usage=request.include_usage)
 
 
-def _plain(value):
-    """A dataclass dict without the None fields MLflow fills in (a JSON Schema keyword set to null is invalid)."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
+def _requests(model_input) -> list[dict]:
+    """The request bodies in what MLflow passes: a DataFrame after its schema check (a row per request), or dicts."""
+    if isinstance(model_input, dict):
+        return [model_input]
+    if isinstance(model_input, list):
+        return model_input
+    return [{key: _unwidened(key, value) for key, value in row.items() if not _missing(value)}
+            for row in model_input.to_dict(orient="records")]
+
+
+def _missing(value) -> bool:
+    """A key the row's request left out: None, or NaN where pandas filled a gap in a column."""
+    return value is None or (isinstance(value, float) and value != value)
+
+
+def _unwidened(key: str, value):
+    """An integer key as sent: pandas makes a column of ints float when another row leaves it out."""
+    if key in ("n", "max_tokens", "max_completion_tokens", "seed") and isinstance(value, float) and value.is_integer():
+        return int(value)
     return value
-

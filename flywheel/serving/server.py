@@ -1,7 +1,8 @@
 """`flywheel serve-model`: the version behind an alias over the OpenAI protocol, its answers recorded as traces.
 
-Endpoints: POST /v1/chat/completions (tools, tool_calls, n, temperature, top_p, max_tokens, seed, stream),
-GET /v1/models, GET /health (the version served), POST /v1/feedback ({id, outcome | score}).
+Endpoints: POST /v1/chat/completions (tools, tool_choice, parallel_tool_calls, n, temperature, top_p, max_tokens or
+max_completion_tokens, stop, seed, stream, stream_options; see chat.py for what tool_choice does), GET /v1/models,
+GET /health (the version served), POST /v1/feedback ({id, outcome | score}). Every error is OpenAI's error body.
 
 The alias is followed: the registry is polled every `poll_s` seconds (and at once on SIGHUP); a new version is
 downloaded and loaded completely before it replaces the old one, and a request keeps the model it started
@@ -143,6 +144,11 @@ def create_app(follower: AliasFollower, traffic: TrafficLog | None):
         body = RequestError(str(err.detail), code=str(err.status_code), status=err.status_code).body()
         return JSONResponse(body, status_code=err.status_code)
 
+    @app.exception_handler(Exception)  # a failed generation: still OpenAI's body (uvicorn logs the traceback)
+    async def failed(_, err: Exception):
+        body = RequestError(f"the server failed to answer: {type(err).__name__}: {err}", status=500).body()
+        return JSONResponse(body, status_code=500)
+
     async def json_body(request: Request) -> dict:
         try:
             body = await request.json()
@@ -169,7 +175,8 @@ def create_app(follower: AliasFollower, traffic: TrafficLog | None):
         if traffic is not None:
             await run_in_threadpool(traffic.record, body, response, served)
         if parsed.stream:
-            events = [f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(response)] + ["data: [DONE]\n\n"]
+            chunks = stream_chunks(response, parsed.include_usage)
+            events = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
             return StreamingResponse(iter(events), media_type="text/event-stream")
         return response
 

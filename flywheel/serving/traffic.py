@@ -9,6 +9,12 @@ Labels (`POST /v1/feedback`) are the same record again with `outcome`/`score`, w
 Collect keeps one row per conversation: the one that sorts first by (time, source, file, line). A label keeps
 its answer's time, and `labels-` sorts before `traffic-`, so the labelled row replaces the unlabelled one even
 when it arrives after a collect run; the first label of an answer is the one that counts.
+
+A label may name an answer that ended in tool calls (an agent's client often holds the first id of its turn):
+collect joins it to the conversation that completes the turn, the first later request whose messages extend
+the labelled one (trace_rows.join_labels), so the whole turn carries it, and `metadata.labelled_answer` names
+the id labelled. Until such a request is recorded, the labelled answer is a trace of its own, ending in its tool
+calls, with the label.
 """
 
 from __future__ import annotations
