@@ -47,3 +47,18 @@ def test_a_killed_run_resumes_to_the_same_weights(tiny_student, tmp_path):
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-6), name
     assert abs(resumed["eval_loss"] - straight["eval_loss"]) < 1e-5
+
+
+def test_a_checkpoint_cut_short_by_the_kill_is_removed_and_the_whole_one_before_it_resumes(tmp_path):
+    from flywheel.train.sft import _resume_point
+
+    checkpoints = tmp_path / "sft-checkpoints"
+    assert _resume_point(checkpoints, "abc") is None
+    whole, cut = checkpoints / "checkpoint-40", checkpoints / "checkpoint-80"
+    whole.mkdir()
+    (whole / "trainer_state.json").write_text('{"global_step": 40}')
+    cut.mkdir()
+    (cut / "model.safetensors").write_bytes(b"\0" * 8)
+    (cut / "trainer_state.json").write_text("")  # the kill landed while the Trainer wrote it
+    assert _resume_point(checkpoints, "abc") == str(whole)
+    assert not cut.exists() and whole.exists()

@@ -64,7 +64,21 @@ def _resume_point(checkpoints: Path, fingerprint: str) -> str | None:
         shutil.rmtree(checkpoints)  # a different model, data or config: resuming would mix runs
     checkpoints.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps({"fingerprint": fingerprint}))
+    for partial in _partial_checkpoints(checkpoints):
+        shutil.rmtree(partial, ignore_errors=True)  # ranks clear them together: one may find it already gone
     return get_last_checkpoint(str(checkpoints))
+
+
+def _partial_checkpoints(checkpoints: Path) -> list[Path]:
+    """Checkpoints a kill cut short. The Trainer writes trainer_state.json last; until it parses, the save was not
+    whole, and resuming from it would fail or mix a half-written optimizer state into the run."""
+    partial = []
+    for checkpoint in checkpoints.glob("checkpoint-*"):
+        try:
+            json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+        except (OSError, ValueError, KeyError, TypeError):
+            partial.append(checkpoint)
+    return partial
 
 
 @contextmanager
