@@ -56,6 +56,7 @@ bench: $(SMOL_STAMP)
 	$(BIN)/python benchmarks/serve.py
 	$(BIN)/python benchmarks/smol.py
 	$(BIN)/python benchmarks/rl_gain.py
+	$(BIN)/python benchmarks/peer_rl.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check flywheel tasks flows tests benchmarks

@@ -105,6 +105,10 @@ FIGURES = {
     "serve.py": {"requests", "server_requests_per_s", "server_mean_latency_s", "generate_requests_per_s",
                  "generate_mean_latency_s", "ratio", "clients", "concurrent_requests_per_s", "concurrent_p50_s",
                  "concurrent_p95_s", "generate_p50_s", "generate_p95_s", "concurrent_ratio"},
+    "peer_rl.py": {"trl_version", "project_episodes_per_s", "trl_episodes_per_s", "ratio",
+                   "project_generated_tokens_per_s", "trl_generated_tokens_per_s", "project_wall_s", "trl_wall_s",
+                   "project_peak_rss_mb", "trl_peak_rss_mb", "project_heldout_pass_rate", "trl_heldout_pass_rate",
+                   "sft_heldout_pass_rate", "heldout_difference", "heldout_difference_interval"},
 }
 
 
