@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import subprocess
@@ -19,6 +20,8 @@ from mlflow.entities import RunStatus
 from mlflow.exceptions import MlflowException
 
 from flywheel.settings import state_dir
+
+log = logging.getLogger(__name__)
 
 
 def client() -> MlflowClient:
@@ -263,6 +266,27 @@ def log_student(run: Run, model_dir: Path, name: str, python_model, example: dic
     return info.model_id
 
 
+def _holding(c, name: str, model_hash: str) -> list:
+    """The versions of `name` tagged with model_hash, oldest (lowest number) first."""
+    found = c.search_model_versions(f"name = '{name}' and tags.`flywheel.model_hash` = '{model_hash}'")
+    return sorted(found, key=lambda mv: int(mv.version))
+
+
+def _settle(c, name: str, model_hash: str, mine):
+    """One version per model hash, even when two registrations of one model raced past the check (two workers,
+    a schedule firing during a manual run): the lowest-numbered holder wins, and a later one removes itself.
+
+    The later of two creations always sees the earlier one (it searches after its own creation, which came after
+    the other's), so exactly one survives without a lock shared between machines."""
+    holders = _holding(c, name, model_hash)
+    winner = holders[0] if holders else mine
+    if str(winner.version) != str(mine.version):
+        log.warning("model %s: version %s duplicated version %s's model %s (a concurrent registration); "
+                    "it is deleted", name, mine.version, winner.version, model_hash)
+        c.delete_model_version(name, str(mine.version))
+    return winner
+
+
 def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
              aliases: list[str], eval_table: Path | None = None, python_model=None,
              example: dict | None = None) -> Version:
@@ -280,7 +304,7 @@ def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
         c.create_registered_model(name, description=f"Student models of the '{name}' pipeline")
     except MlflowException:
         pass  # it exists
-    existing = c.search_model_versions(f"name = '{name}' and tags.`flywheel.model_hash` = '{model_hash}'")
+    existing = _holding(c, name, model_hash)
     if existing:
         mv = existing[0]
     else:
@@ -294,6 +318,7 @@ def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
         if eval_table is not None:  # kept with the version so a later promotion can gate it again
             run.artifact(eval_table, "eval")
         mv = c.create_model_version(name, run_id=run.run_id, tags=version_tags, **source)
+        mv = _settle(c, name, model_hash, mv)
     for alias in aliases:
         c.set_registered_model_alias(name, alias, str(mv.version))
     return _version(c.get_model_version(name, str(mv.version)))

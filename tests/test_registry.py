@@ -61,3 +61,40 @@ def test_registration_is_idempotent_and_aliases_move(tmp_path, mlflow_store):
 
 def test_no_model_no_alias(mlflow_store):
     assert registry.get_alias("nothing-here", "champion") is None
+
+
+def test_two_registrations_of_one_model_racing_past_the_check_leave_one_version(tmp_path, mlflow_store, monkeypatch):
+    """Both look before either creates (a barrier forces it), both create; the later removes itself."""
+    import threading
+
+    run = registry.start_run(tmp_path, "p", "register")
+    checked = threading.Barrier(2, timeout=30)
+    holding = registry._holding
+    first_look = threading.local()
+
+    def look_then_wait(c, name, model_hash):
+        found = holding(c, name, model_hash)
+        if not getattr(first_look, "done", False):  # each racer's check, then both go on to create
+            first_look.done = True
+            checked.wait()
+        return found
+
+    monkeypatch.setattr(registry, "_holding", look_then_wait)
+    results, errors = [], []
+
+    def racer(content: str) -> None:
+        try:
+            results.append(registry.register(run, "p", _model(tmp_path, content), "hash-same", {}, ["challenger"]))
+        except Exception as err:  # surfaced below: a thread's exception is otherwise lost
+            errors.append(err)
+
+    threads = [threading.Thread(target=racer, args=(c,)) for c in ("x", "y")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    versions = MlflowClient().search_model_versions("name = 'p'")
+    assert [str(v.version) for v in versions] == ["1"], "exactly one version holds the model"
+    assert [r.version for r in results] == ["1", "1"], "both registrations name the surviving version"
+    assert registry.get_alias("p", "challenger").version == "1"
