@@ -8,6 +8,7 @@ from pathlib import Path
 from prefect import flow, runtime
 
 from flows.names import RETRAIN_FLOW
+from flows.runlock import Holding, pipeline_lock
 from flows.stage import run_stage
 from flywheel import registry
 from flywheel.config import load_pipeline
@@ -19,25 +20,35 @@ from tasks.spec import STAGES, output_hashes
 @flow(name=RETRAIN_FLOW, log_prints=False)
 def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push: bool = True,
             restored: list[str] | None = None, tags: dict[str, str] | None = None, promote: bool = True,
-            stage_jobs: dict[str, dict] | None = None) -> dict:
+            stage_jobs: dict[str, dict] | None = None, wait: bool = False) -> dict:
     """Run every stage of the pipeline; unchanged stages come from Prefect's cache and are not run again.
 
     `restored` stages are not run: their outputs were checked out from DVC (a rerun). `tags` go on the
     pipeline run and the registered version; `promote=False` registers without offering champion to the gate.
     `stage_jobs` (stage -> job variables) runs each stage as its own `stage/<pipeline>` flow run, i.e. its own
     job on the pool (a GPU only where a stage needs one); unset, every stage runs in this flow run.
+    One run of a pipeline at a time per project folder (flows/runlock.py): another one running makes this one
+    fail naming it, or, with `wait`, start when it ends.
     """
     root_path = Path(root).resolve()
     cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")  # a bad config fails here, before any work
     if stage_jobs is not None and set(ORDER) - set(stage_jobs):
         raise ValueError(f"stage_jobs has no job variables for {sorted(set(ORDER) - set(stage_jobs))}: give "
                          "every stage its own ({} for the pool's defaults)")
-    use_dvc = dvc.is_repo(root_path)
     flow_run_id = str(runtime.flow_run.id or "")
-    restored = list(restored or [])
+    with pipeline_lock(root_path, pipeline, flow_run_id, wait) as holding:
+        return _stages(pipeline, root_path, cfg, refresh, push, list(restored or []), tags, promote, stage_jobs,
+                       flow_run_id, holding)
+
+
+def _stages(pipeline: str, root_path: Path, cfg, refresh: bool, push: bool, restored: list[str],
+            tags: dict[str, str] | None, promote: bool, stage_jobs: dict[str, dict] | None, flow_run_id: str,
+            holding: Holding) -> dict:
+    use_dvc = dvc.is_repo(root_path)
     parent = registry.start_run(root_path, pipeline, "retrain", tags={
         "prefect.flow_run_id": flow_run_id, "flywheel.refresh": refresh,
         "git.dirty": registry.git_dirty(root_path), **(tags or {})})
+    holding.record(mlflow_run_id=parent.run_id)
     registry.record_config(parent, pipeline, cfg.model_dump(mode="json"))
     # what only some stages take: register is told whether to offer promotion, and the run it belongs to
     options = {"register": {"promote": promote, "lineage": {

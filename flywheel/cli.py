@@ -70,7 +70,7 @@ USER_ERRORS = (
     "flywheel.evaluate.runner.NoHeldoutError", "flywheel.evaluate.runner.ContaminationError",
     "flywheel.evaluate.arms.SpecError", "flywheel.promotion.PromotionError", "flywheel.reproduce.RerunError",
     "flywheel.serving.loop.LoopError", "flywheel.serving.server.ServeError", "flows.deployments.DeployError",
-    "flows.stage.StageJobError",
+    "flows.stage.StageJobError", "flows.runlock.PipelineBusy",
 )
 _RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where Prefect reports a failed flow or task run
 
@@ -186,7 +186,9 @@ def _run_failures_logged(log: logging.Handler):
 @_reported
 def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yaml."), root: Path = ROOT,
         refresh: bool = typer.Option(False, "--refresh", help="Rerun every stage, ignoring the cache."),
-        push: bool = typer.Option(True, "--push/--no-push", help="Push datasets to the DVC remote.")) -> None:
+        push: bool = typer.Option(True, "--push/--no-push", help="Push datasets to the DVC remote."),
+        wait: bool = typer.Option(False, "--wait", help="If the pipeline is already running here, start when it "
+                                  "ends (default: stop, naming the running one).")) -> None:
     """Run the retrain flow: collect, synthesize, sft, rl, evaluate, register."""
     from flywheel.config import ConfigError, load_pipeline
 
@@ -199,7 +201,7 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yam
     from flows.retrain import retrain
 
     started = time.monotonic()
-    summary = retrain(pipeline=pipeline, root=str(root), refresh=refresh, push=push)
+    summary = retrain(pipeline=pipeline, root=str(root), refresh=refresh, push=push, wait=wait)
     _print_summary(summary, root, time.monotonic() - started)
 
 
@@ -351,6 +353,10 @@ def status(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.
         cfg = load_pipeline(pipeline, root / "pipelines.yaml")
     except ConfigError as err:
         _fail(str(err))
+    from flows.runlock import reap
+
+    for found in reap(root):  # runs of this project now, and those whose process died (marked here)
+        typer.echo(found.line())
     state = pipeline_status(pipeline, last=last)
     console = Console(width=max(140, Console().width))
     models = Table(title=f"{pipeline}: registered model")
