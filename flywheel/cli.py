@@ -70,7 +70,7 @@ USER_ERRORS = (
     "flywheel.evaluate.runner.NoHeldoutError", "flywheel.evaluate.runner.ContaminationError",
     "flywheel.evaluate.arms.SpecError", "flywheel.promotion.PromotionError", "flywheel.reproduce.RerunError",
     "flywheel.serving.loop.LoopError", "flywheel.serving.server.ServeError", "flows.deployments.DeployError",
-    "flows.stage.StageJobError", "flows.runlock.PipelineBusy",
+    "flows.stage.StageJobError", "flows.runlock.PipelineBusy", "flows.stack.StackError",
 )
 _RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where Prefect reports a failed flow or task run
 
@@ -597,6 +597,65 @@ def serve(root: Path = ROOT, results: str | None = RESULTS,
         report = deployments.reconcile(wanted, pool=None, root=root)
         _print_reconciled(report, "served from this process (Ctrl-C stops)")
         prefect_serve(*served, print_starting_message=False)
+
+
+stack_app = typer.Typer(no_args_is_help=True, help="The servers a company runs, as processes on 127.0.0.1 (no "
+                        "Docker): PostgreSQL, S3 (moto), Prefect and MLflow servers, two process workers.")
+app.add_typer(stack_app, name="stack")
+
+
+@stack_app.command("up")
+@_reported
+def stack_up(root: Path = ROOT,
+             prefect_port: int = typer.Option(4200, "--prefect-port"), mlflow_port: int = typer.Option(
+                 5000, "--mlflow-port"), s3_port: int = typer.Option(9000, "--s3-port"),
+             postgres_port: int = typer.Option(5432, "--postgres-port"),
+             s3_endpoint: str | None = typer.Option(None, "--s3-endpoint", help="An S3 you run (MinIO, AWS) "
+                                                    "instead of moto's server; its bucket `flywheel` is created."),
+             workers: int = typer.Option(2, "--workers", min=0)) -> None:
+    """Start the stack (what is already running is kept); print where each service listens."""
+    from flows import stack
+
+    root = _checked_root(root)
+    stack.up(root, stack.Ports(prefect_port, mlflow_port, s3_port, postgres_port), s3_endpoint, workers,
+             say=typer.echo)
+
+
+@stack_app.command("down")
+@_reported
+def stack_down(root: Path = ROOT) -> None:
+    """Stop the workers, the servers and PostgreSQL; the data stays under .flywheel/stack/."""
+    from flows import stack
+
+    stack.down(_checked_root(root), say=typer.echo)
+
+
+@stack_app.command("status")
+@_reported
+def stack_status(root: Path = ROOT) -> None:
+    """Each process of the stack: running or not, and the servers' health."""
+    from flows import stack
+
+    rows = stack.status(_checked_root(root))
+    for name, pid, running, detail in rows:
+        typer.echo(f"{name:<10} pid {pid:<8} {'running' if running else 'STOPPED'}  {detail}".rstrip())
+    if not all(running for _, _, running, _ in rows):
+        raise typer.Exit(1)
+
+
+@stack_app.command("env")
+@_reported
+def stack_env(root: Path = ROOT) -> None:
+    """The variables that point a shell at the stack: eval "$(flywheel stack env)"."""
+    import shlex
+
+    from flows import stack
+
+    recorded = stack.load(_checked_root(root))
+    if recorded is None:
+        _fail("no stack is up here: `flywheel stack up` first")
+    for name, value in recorded.client_env().items():
+        typer.echo(f"export {name}={shlex.quote(value)}")
 
 
 @app.command()

@@ -155,7 +155,8 @@ def test_compose_file_has_the_servers_the_readme_names():
     assert {"prefect-server", "prefect-db", "mlflow", "mlflow-db", "minio", "minio-init", "worker"} <= set(services)
     assert "postgresql+asyncpg://" in services["prefect-server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
     mlflow = " ".join(services["mlflow"]["command"].split())
-    assert "--backend-store-uri postgresql://" in mlflow and "--artifacts-destination s3://flywheel/mlflow" in mlflow
+    assert "--backend-store-uri postgresql+psycopg2://" in mlflow  # SQLAlchemy 2.1's default driver is psycopg 3
+    assert "--artifacts-destination s3://flywheel/mlflow" in mlflow
     assert services["mlflow"]["build"]["dockerfile"] == "infra/Dockerfile"
     assert (REPO / services["mlflow"]["build"]["dockerfile"]).exists()
     assert {"4200:4200", "5000:5000", "9000:9000"} <= {p for s in services.values() for p in s.get("ports", [])}

@@ -1,0 +1,181 @@
+"""`flywheel stack`: the company's servers as processes (PostgreSQL, S3, Prefect and MLflow servers, workers), with
+the same names, ports and variables as infra/docker-compose.yml."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, SMALL_PIPELINE
+
+from flows import stack
+
+BIN = Path(sys.executable).parent
+
+
+def _default(value: str) -> str:
+    """A compose value with its `${VAR:-default}` references replaced by the defaults."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
+def test_the_stack_and_the_compose_file_name_the_same_services_ports_and_variables():
+    compose = yaml.safe_load((REPO / "infra/docker-compose.yml").read_text())
+    services = compose["services"]
+    ports = {int(p.split(":")[0]) for s in services.values() for p in s.get("ports", [])}
+    defaults = stack.Ports()
+    assert {defaults.prefect, defaults.mlflow, defaults.s3} <= ports
+    assert f"--port {defaults.prefect}" in services["prefect-server"]["command"]
+    assert f"--port {defaults.mlflow}" in services["mlflow"]["command"]
+    for database, role in stack.DATABASES.items():
+        env = services[f"{database}-db"]["environment"]
+        assert (env["POSTGRES_DB"], env["POSTGRES_USER"], _default(env["POSTGRES_PASSWORD"])) == (database, role, role)
+    minio = services["minio"]["environment"]
+    assert _default(minio["MINIO_ROOT_USER"]) == stack.S3_CREDENTIALS["AWS_ACCESS_KEY_ID"]
+    assert _default(minio["MINIO_ROOT_PASSWORD"]) == stack.S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
+    assert f'"{stack.BUCKET}"' in services["minio-init"]["command"][-1]
+    mlflow = " ".join(services["mlflow"]["command"].split())
+    assert f"--artifacts-destination s3://{stack.BUCKET}/mlflow" in mlflow
+
+    worker = {k: _default(str(v)) for k, v in services["worker"]["environment"].items()}
+    ours = stack.Stack("/project", defaults, "http://minio:9000", {}).client_env()
+    assert set(ours) == set(worker) - {"HF_HUB_OFFLINE"}, "the variables a worker gets"
+    hosts = {"prefect-server": "127.0.0.1", "mlflow": "127.0.0.1", "minio": "minio"}
+    for name, value in worker.items():
+        if name in ours:
+            assert ours[name] == re.sub(r"//([a-z-]+):", lambda m: f"//{hosts.get(m[1], m[1])}:", value), name
+    assert f"--pool {stack.POOL} --type process" in services["worker"]["command"]
+    server = services["prefect-server"]["environment"]
+    assert server["PREFECT_SERVER_ANALYTICS_ENABLED"] == stack.PREFECT_SERVER_ENV["PREFECT_SERVER_ANALYTICS_ENABLED"]
+    assert server["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("postgresql+asyncpg://prefect:")
+
+
+def _final(client, run_id, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        run = client.read_flow_run(run_id)
+        if run.state and run.state.is_final():
+            return run
+        assert time.monotonic() < deadline, f"flow run {run_id} still {run.state.name} after {timeout_s}s"
+        time.sleep(2)
+
+
+def _answers(check, timeout_s: float = 60):
+    """check() once it stops raising (a server reconnecting); its last error if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return check()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+@pytest.mark.slow
+def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_killed_run(project, tmp_path):
+    """`flywheel stack up` on free ports; PostgreSQL restarted under both servers; a one-minute cron deployed with
+    `flywheel deploy` fires and a worker runs it; a run whose worker and process are killed is CRASHED, not
+    RUNNING, once `flywheel status` looks; `flywheel stack down` leaves nothing running."""
+    from mlflow import MlflowClient
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.deployments import free_port
+    from flows.runlock import lock_path
+
+    (project / "pipelines.yaml").write_text(SMALL_PIPELINE + '    schedule: {cron: "* * * * *", timezone: UTC}\n')
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "every minute"],
+                   cwd=project, check=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    base |= {"PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(project), "COLUMNS": "200",
+             "PREFECT_HOME": str(tmp_path / "client-home")}
+
+    def flywheel(env: dict, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "flywheel"), *args, "--root", str(project)], cwd=project, env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    ports = [str(free_port()) for _ in range(4)]
+    started = flywheel(base, "stack", "up", "--prefect-port", ports[0], "--mlflow-port", ports[1], "--s3-port",
+                       ports[2], "--postgres-port", ports[3])
+    recorded = stack.load(project)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert f"Prefect     http://127.0.0.1:{ports[0]}/api" in started.stdout
+        assert set(recorded.pids) == {"postgres", "s3", "prefect", "mlflow", "worker-0", "worker-1"}
+        env = base | recorded.client_env()
+        shown = flywheel(env, "stack", "status")
+        assert shown.returncode == 0 and shown.stdout.count("running") == 6, shown.stdout
+        assert "health 200" in shown.stdout
+        exported = flywheel(base, "stack", "env").stdout
+        assert f"export PREFECT_API_URL=http://127.0.0.1:{ports[0]}/api" in exported
+
+        # PostgreSQL restarted under both servers: they reconnect
+        stack.restart_postgres(recorded)
+        mlflow = MlflowClient(recorded.mlflow_uri)
+        assert _answers(lambda: mlflow.create_experiment("after-restart"))
+        with temporary_settings({PREFECT_API_URL: recorded.prefect_api}), get_client(sync_client=True) as client:
+            assert _answers(lambda: client.read_work_pool(stack.POOL)).type == "process"
+
+            deployed = flywheel(env, "deploy", "--pool", stack.POOL, "--results", f"s3://{stack.BUCKET}/prefect-results")
+            assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+            assert "retrain/small: cron * * * * * UTC" in deployed.stdout
+            [deployment] = client.read_deployments(
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["small"])))
+            # the schedule fires (the next minute) and a worker runs it
+            deadline = time.monotonic() + 150
+            while True:
+                runs = client.read_flow_runs(deployment_filter=DeploymentFilter(
+                    name=DeploymentFilterName(any_=["small"])), flow_run_filter=FlowRunFilter(
+                    state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING,
+                                                                                StateType.COMPLETED]))))
+                if runs:
+                    break
+                assert time.monotonic() < deadline, "no scheduled run started within 150 s"
+                time.sleep(2)
+            scheduled = _final(client, runs[0].id, timeout_s=420)
+            assert scheduled.state.is_completed(), scheduled.state.message
+            assert scheduled.deployment_id == deployment.id and scheduled.auto_scheduled
+            client.pause_deployment(deployment.id)  # no more minutes firing while the faults are tried
+
+            # a run whose worker and process are killed (a machine lost): its record names it; status marks it
+            victim = run_deployment("retrain/small", parameters={"refresh": True}, timeout=0)
+            record = lock_path(project, "small")
+            deadline = time.monotonic() + 180
+            while not (record.exists() and str(victim.id) in record.read_text()):
+                assert time.monotonic() < deadline, "the run never took its lock"
+                time.sleep(0.5)
+            pid = json.loads(record.read_text())["pid"]
+            for name in ("worker-0", "worker-1"):
+                os.killpg(recorded.pids[name], signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(1)
+            assert client.read_flow_run(victim.id).state.type == StateType.RUNNING, "nothing reported it yet"
+            status = flywheel(env, "status", "small")
+            assert f"small: the run pid {pid} on" in status.stdout, status.stdout + status.stderr
+            assert client.read_flow_run(victim.id).state.type == StateType.CRASHED
+            assert "retrain" in status.stdout and "COMPLETED" not in status.stdout.split("retrain runs")[0]
+    finally:
+        flywheel(base, "stack", "down")
+        data = stack.data_folder(recorded)
+        if data.parent.name.startswith("flywheel-stack-"):  # under /var/tmp when the tests run as root
+            shutil.rmtree(data.parent, ignore_errors=True)
+    assert stack.load(project) is None
+    assert not any(stack.alive(pid) for pid in recorded.pids.values()), "stack down leaves nothing running"
