@@ -151,11 +151,7 @@ def up(root: Path, ports: Ports = Ports(), s3_endpoint: str | None = None, worke
         _bucket(stack)
         _save(stack)
         if not alive(stack.pids.get("prefect", 0)):
-            database = f"postgresql+asyncpg://prefect:prefect@127.0.0.1:{ports.postgres}/prefect"
-            stack.pids["prefect"] = _start(stack, "prefect", [
-                str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(ports.prefect)], {
-                "PREFECT_HOME": str(folder / "prefect"), "PREFECT_API_DATABASE_CONNECTION_URL": database,
-                "PREFECT_UI_API_URL": stack.prefect_api, **PREFECT_SERVER_ENV})
+            _start_prefect(stack)
         if not alive(stack.pids.get("mlflow", 0)):
             stack.pids["mlflow"] = _start(stack, "mlflow", [
                 str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(ports.mlflow),
@@ -262,6 +258,22 @@ def down(root: Path, say=print) -> None:
         _as_owner(stack, [_pg("pg_ctl"), "-D", str(_pgdata(stack)), "-m", "fast", "-w", "stop"])
         say("stopped postgres")
     _record(root).unlink()
+
+
+def restart_prefect(stack: Stack) -> None:
+    """Stop and start the Prefect server (an upgrade, a crash): running flow runs retry their calls meanwhile."""
+    _stop(stack.pids["prefect"])
+    _start_prefect(stack)
+    _save(stack)
+    _wait_http(f"{stack.prefect_api}/health", stack, "prefect")
+
+
+def _start_prefect(stack: Stack) -> None:
+    database = f"postgresql+asyncpg://prefect:prefect@127.0.0.1:{stack.ports.postgres}/prefect"
+    stack.pids["prefect"] = _start(stack, "prefect", [
+        str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(stack.ports.prefect)], {
+        "PREFECT_HOME": str(stack_dir(Path(stack.root)) / "prefect"), "PREFECT_API_DATABASE_CONNECTION_URL": database,
+        "PREFECT_UI_API_URL": stack.prefect_api, **PREFECT_SERVER_ENV})
 
 
 def restart_postgres(stack: Stack) -> None:

@@ -68,6 +68,18 @@ def _final(client, run_id, timeout_s: float):
         time.sleep(2)
 
 
+def _outputs(project: Path) -> dict[str, str]:
+    """md5 of every file of the pipeline's datasets and models, less what differs by design (the eval table's
+    measured latency, the checkpoints a run removes when it ends), and the version registered with its hash."""
+    import hashlib
+
+    files = [p for folder in ("data/small", "models/small") for p in sorted((project / folder).rglob("*"))
+             if p.is_file() and "checkpoints" not in str(p) and p.name not in ("eval.parquet", "registration.json")]
+    registered = json.loads((project / "data/small/register/registration.json").read_text())
+    return {str(p.relative_to(project)): hashlib.md5(p.read_bytes()).hexdigest() for p in files} | {
+        "registered": (registered["version"], registered["model_hash"])}  # its promotion reasons say what changed
+
+
 def _answers(check, timeout_s: float = 60):
     """check() once it stops raising (a server reconnecting); its last error if it never does."""
     deadline = time.monotonic() + timeout_s
@@ -154,14 +166,17 @@ def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_kille
             assert scheduled.state.is_completed(), scheduled.state.message
             assert scheduled.deployment_id == deployment.id and scheduled.auto_scheduled
             client.pause_deployment(deployment.id)  # no more minutes firing while the faults are tried
+            uninterrupted = _outputs(project)
 
-            # a run whose worker and process are killed (a machine lost): its record names it; status marks it
+            # a run whose workers and process are killed mid-SFT (a machine lost): status marks it CRASHED
             victim = run_deployment("retrain/small", parameters={"refresh": True}, timeout=0)
             record = lock_path(project, "small")
-            deadline = time.monotonic() + 180
-            while not (record.exists() and str(victim.id) in record.read_text()):
-                assert time.monotonic() < deadline, "the run never took its lock"
-                time.sleep(0.5)
+            checkpoints = project / "models/small/sft-checkpoints"
+            deadline = time.monotonic() + 240
+            while not (str(victim.id) in (record.read_text() if record.exists() else "")
+                       and any(checkpoints.glob("checkpoint-*/trainer_state.json"))):
+                assert time.monotonic() < deadline, "the run never reached an SFT checkpoint"
+                time.sleep(0.2)
             pid = json.loads(record.read_text())["pid"]
             for name in ("worker-0", "worker-1"):
                 os.killpg(recorded.pids[name], signal.SIGKILL)
@@ -171,7 +186,25 @@ def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_kille
             status = flywheel(env, "status", "small")
             assert f"small: the run pid {pid} on" in status.stdout, status.stdout + status.stderr
             assert client.read_flow_run(victim.id).state.type == StateType.CRASHED
-            assert "retrain" in status.stdout and "COMPLETED" not in status.stdout.split("retrain runs")[0]
+
+            # workers back; two runs at once: one stops naming the other; the Prefect server restarts under the
+            # other, which finishes, and its outputs are the uninterrupted run's, byte for byte
+            again = flywheel(base, "stack", "up", "--prefect-port", ports[0], "--mlflow-port", ports[1], "--s3-port",
+                             ports[2], "--postgres-port", ports[3])
+            assert again.returncode == 0, again.stdout + again.stderr
+            recorded = stack.load(project)
+            pair = [run_deployment("retrain/small", parameters={"refresh": True}, timeout=0) for _ in range(2)]
+            deadline = time.monotonic() + 240
+            while not any(str(r.id) in (record.read_text() if record.exists() else "") for r in pair):
+                assert time.monotonic() < deadline, "neither run took the lock"
+                time.sleep(0.2)
+            stack.restart_prefect(recorded)
+            ended = {r.id: _answers(lambda r=r: _final(client, r.id, timeout_s=600), timeout_s=120) for r in pair}
+            [finished] = [r for r in ended.values() if r.state.is_completed()]
+            [refused] = [r for r in ended.values() if not r.state.is_completed()]
+            assert refused.state.type == StateType.FAILED, refused.state
+            assert f"Prefect flow run {finished.id}" in refused.state.message, refused.state.message
+            assert _outputs(project) == uninterrupted
     finally:
         flywheel(base, "stack", "down")
         data = stack.data_folder(recorded)
