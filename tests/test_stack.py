@@ -68,6 +68,28 @@ def _final(client, run_id, timeout_s: float):
         time.sleep(2)
 
 
+def _candidate(tmp_path: Path, recorded, label: str, solved: int) -> str:
+    """A version of model `race` on the stack's MLflow whose stored eval table solves `solved` of 40 tasks."""
+    from test_promotion import _eval_table
+
+    from flywheel import registry
+
+    folder = tmp_path / "race" / label
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "config.json").write_text(f'{{"id": "{label}"}}')
+    previous = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = recorded.mlflow_uri
+    try:
+        run = registry.start_run(tmp_path, "race", "register")
+        return registry.register(run, "race", folder / "model", f"hash-{label}", {}, ["challenger"],
+                                 eval_table=_eval_table(folder, solved)).version
+    finally:
+        if previous is None:
+            os.environ.pop("MLFLOW_TRACKING_URI")
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous
+
+
 def _outputs(project: Path) -> dict[str, str]:
     """md5 of every file of the pipeline's datasets and models, less what differs by design (the eval table's
     measured latency, the checkpoints a run removes when it ends), and the version registered with its hash."""
@@ -205,6 +227,23 @@ def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_kille
             assert refused.state.type == StateType.FAILED, refused.state
             assert f"Prefect flow run {finished.id}" in refused.state.message, refused.state.message
             assert _outputs(project) == uninterrupted
+
+        # two workers finishing two candidates at once, through MLflow on PostgreSQL: exactly one champion
+        race = {label: _candidate(tmp_path, recorded, label, solved) for label, solved in (("better", 39),
+                                                                                            ("worse", 30))}
+        script = ("import sys; from flywheel import promotion; from tests.test_promotion import GATE; "
+                  "d = promotion.gate_against_champion('race', sys.argv[1], None, GATE); "
+                  "print(promotion.promote('race', sys.argv[1], GATE, decision=d, judged_against=None).promoted)")
+        racers = [subprocess.Popen([sys.executable, "-c", script, v], cwd=REPO, env=env | {"PYTHONPATH": str(REPO)},
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for v in race.values()]
+        said = []
+        for racer in racers:
+            out, err = racer.communicate(timeout=180)
+            assert racer.returncode == 0, err[-2000:]
+            said.append(out + err[-1500:])
+        registry_client = MlflowClient(recorded.mlflow_uri)
+        assert registry_client.get_model_version_by_alias("race", "champion").version == race["better"], said
+        assert "champion" not in registry_client.get_model_version("race", race["worse"]).aliases
     finally:
         flywheel(base, "stack", "down")
         data = stack.data_folder(recorded)
