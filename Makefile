@@ -8,7 +8,7 @@ SMOL_STAMP := $(VENV)/.installed-smol
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: setup smol-setup demo smol test test-fast bench lint clean
+.PHONY: setup smol-setup demo smol test test-fast bench stack lint clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,12 @@ bench: $(SMOL_STAMP)
 	$(BIN)/python benchmarks/smol.py
 	$(BIN)/python benchmarks/rl_gain.py
 	$(BIN)/python benchmarks/peer_rl.py
+	$(BIN)/python benchmarks/stack.py
+
+# The servers a company runs, as processes on 127.0.0.1 (PostgreSQL, S3, Prefect and MLflow, two workers):
+# `flywheel stack status`, `flywheel stack down`; README "Running it like a company".
+stack: $(STAMP)
+	$(BIN)/flywheel stack up
 
 lint: $(STAMP)
 	$(BIN)/ruff check flywheel tasks flows tests benchmarks

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+
+import mlflow
+
 from flywheel import promotion, registry
 from flywheel.checkpoints import adapter_base
 from flywheel.data import dvc
@@ -19,8 +23,11 @@ _by_content = by_content("register")
 
 
 def cache_key(context, parameters: dict) -> str:
-    """By content; a registration that was not offered for promotion is not one that was."""
-    return _by_content(context, parameters) + ("" if parameters.get("promote", True) else "-no-promote")
+    """By content and by registry: a registration that was not offered for promotion is not one that was, and a
+    version registered in one MLflow (the embedded SQLite store) is not one in another (a team's server)."""
+    registry_id = hashlib.sha256(mlflow.get_tracking_uri().encode()).hexdigest()[:12]
+    return (_by_content(context, parameters) + ("" if parameters.get("promote", True) else "-no-promote")
+            + f"-registry-{registry_id}")
 
 
 @stage_task(cache_key_fn=cache_key, retries=2, retry_delay_seconds=2)

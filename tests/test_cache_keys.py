@@ -177,3 +177,16 @@ def test_an_edited_task_file_rebuilds_the_tasks_table_even_when_collect_runs_inc
     assert _md5s(out) == tables, "nothing edited: every table byte for byte as it was"
     assert collect.fn(pipeline="small", root=str(root), full=True).outputs == edited.outputs, \
         "the rebuilt table is the one a full collect writes"
+
+
+def test_registering_into_another_registry_is_not_a_cache_hit(project, monkeypatch):
+    """A version registered in the embedded MLflow is not one in a team's server: pointing MLFLOW_TRACKING_URI at
+    another registry changes register's key (seen: a cached register returned version 1 of the SQLite store to a
+    run on the stack's server, which had none)."""
+    from tasks.register import cache_key
+
+    parameters = {"pipeline": "small", "root": str(project)}
+    here = cache_key(None, parameters)
+    assert cache_key(None, parameters) == here
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert cache_key(None, parameters) != here

@@ -71,7 +71,7 @@ RUN_HERE = ["flywheel check", "flywheel status demo"]
 # What each make target's recipe must call.
 MAKE_CALLS = {"demo": ["flywheel run demo"], "test": ["pytest -q -n auto"],
               "test-fast": ['pytest -q -n auto -m "not slow"'],
-              "bench": ["benchmarks/"], "smol": ["flywheel run smol"],
+              "bench": ["benchmarks/"], "smol": ["flywheel run smol"], "stack": ["flywheel stack up"],
               # only installs (nothing to print once the venv has the extra): that `make -n` works is the check
               "smol-setup": []}
 # Subcommands whose --help the help rule reads; a tool command naming another one is unclassified.
@@ -105,6 +105,8 @@ FIGURES = {
     "serve.py": {"requests", "server_requests_per_s", "server_mean_latency_s", "generate_requests_per_s",
                  "generate_mean_latency_s", "ratio", "clients", "concurrent_requests_per_s", "concurrent_p50_s",
                  "concurrent_p95_s", "generate_p50_s", "generate_p95_s", "concurrent_ratio"},
+    "stack.py": {"stack_up_s", "cached_run_embedded_s", "cached_run_stack_s", "ratio", "schedule_start_delay_s",
+                 "crash_marked_s"},
     "peer_rl.py": {"trl_version", "project_episodes_per_s", "trl_episodes_per_s", "ratio",
                    "project_generated_tokens_per_s", "trl_generated_tokens_per_s", "project_wall_s", "trl_wall_s",
                    "project_peak_rss_mb", "trl_peak_rss_mb", "project_heldout_pass_rate", "trl_heldout_pass_rate",
