@@ -80,7 +80,9 @@ TOOL_SUBCOMMANDS = ["prefect server start", "prefect worker start", "prefect wor
                     "dvc status", "dvc commit", "dvc checkout", "mlflow models serve"]
 # Benchmarks the tests do not run, with the reason; `make bench` need not run them either.
 # Benchmarks whose --quick form cannot run here either (none today: gpu_check.py --quick runs its path on the CPU).
-NOT_RUN_HERE: dict[str, str] = {}
+NOT_RUN_HERE: dict[str, str] = {
+    "stack.py": "tests/test_stack.py starts the same stack and does the same runs and faults (its --quick form "
+                "would add 90 s to a suite at its 15-minute budget)"}
 # Benchmarks whose full form needs a GPU: `make bench` (CPU) leaves them out; their --quick form runs here.
 GPU_ONLY = {"gpu_check.py": "its full form exits 1 without a CUDA GPU"}
 # The keys of each benchmark's JSON line that the README's figures are read from.
