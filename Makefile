@@ -38,7 +38,7 @@ smol: $(SMOL_STAMP)
 
 # on every core (pytest-xdist): most tests wait on subprocesses and servers as much as they compute
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto
+	$(BIN)/python -m pytest -q -n auto --durations=25
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto -m "not slow"

@@ -118,7 +118,9 @@ def _answers(check, timeout_s: float = 60):
 def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_killed_run(project, tmp_path):
     """`flywheel stack up` on free ports; PostgreSQL restarted under both servers; a one-minute cron deployed with
     `flywheel deploy` fires and a worker runs it; a run whose worker and process are killed is CRASHED, not
-    RUNNING, once `flywheel status` looks; `flywheel stack down` leaves nothing running."""
+    RUNNING, once `flywheel status` looks, and the next run resumes to the same outputs; two runs at once, one
+    refused; the Prefect server restarted mid-run; traces landing fire the trigger; two promotions at once leave
+    one champion; `flywheel stack down` leaves nothing running."""
     from mlflow import MlflowClient
     from prefect import get_client
     from prefect.client.schemas.filters import (
@@ -127,6 +129,7 @@ def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_kille
         FlowRunFilter,
         FlowRunFilterState,
         FlowRunFilterStateType,
+        FlowRunFilterTags,
     )
     from prefect.client.schemas.objects import StateType
     from prefect.deployments import run_deployment
@@ -220,13 +223,33 @@ def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_kille
             while not any(str(r.id) in (record.read_text() if record.exists() else "") for r in pair):
                 assert time.monotonic() < deadline, "neither run took the lock"
                 time.sleep(0.2)
-            stack.restart_prefect(recorded)
-            ended = {r.id: _answers(lambda r=r: _final(client, r.id, timeout_s=600), timeout_s=120) for r in pair}
-            [finished] = [r for r in ended.values() if r.state.is_completed()]
-            [refused] = [r for r in ended.values() if not r.state.is_completed()]
+            [holder] = [r for r in pair if str(r.id) in record.read_text()]
+            [other] = [r for r in pair if r.id != holder.id]
+            refused = _final(client, other.id, timeout_s=240)
             assert refused.state.type == StateType.FAILED, refused.state
-            assert f"Prefect flow run {finished.id}" in refused.state.message, refused.state.message
+            assert f"Prefect flow run {holder.id}" in refused.state.message, refused.state.message
+            assert not client.read_flow_run(holder.id).state.is_final(), "the holder ended before the restart"
+            stack.restart_prefect(recorded)
+            finished = _answers(lambda: _final(client, holder.id, timeout_s=600), timeout_s=120)
+            assert finished.state.is_completed(), finished.state
             assert _outputs(project) == uninterrupted
+
+            # traces land: the trigger (the pipeline now has only it) starts a retrain that a worker runs
+            (project / "pipelines.yaml").write_text(
+                SMALL_PIPELINE + "    trigger: {min_new_traces: 10, every_s: 86400}\n")
+            first = (project / "examples/traces/support-agent-2026-11-01.jsonl").read_text().splitlines()[:20]
+            (project / "examples/traces/support-agent-late.jsonl").write_text(
+                "".join(re.sub(r'^\{"id": "(tr_\w+)"', r'{"id": "\1-late"', line) + "\n" for line in first))
+            redeployed = flywheel(env, "deploy", "--pool", stack.POOL)
+            assert "watch-traces/small: every 86400s" in redeployed.stdout, redeployed.stdout + redeployed.stderr
+            sensor = run_deployment("watch-traces/small", timeout=240, poll_interval=2)
+            assert sensor.state.is_completed(), sensor.state
+            [triggered] = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(
+                all_=["flywheel.trigger"])))
+            assert _final(client, triggered.id, timeout_s=420).state.is_completed()
+            shown = flywheel(env, "status", "small")  # the runs from the stack's MLflow, the schedule from Prefect
+            assert shown.returncode == 0, shown.stdout + shown.stderr
+            assert shown.stdout.count("FINISHED") >= 3 and "deployment retrain/small" in shown.stdout, shown.stdout
 
         # two workers finishing two candidates at once, through MLflow on PostgreSQL: exactly one champion
         race = {label: _candidate(tmp_path, recorded, label, solved) for label, solved in (("better", 39),
