@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, SMALL_PIPELINE
+from test_servers import _final
 
 from flows import stack
 
@@ -56,16 +57,6 @@ def test_the_stack_and_the_compose_file_name_the_same_services_ports_and_variabl
     server = services["prefect-server"]["environment"]
     assert server["PREFECT_SERVER_ANALYTICS_ENABLED"] == stack.PREFECT_SERVER_ENV["PREFECT_SERVER_ANALYTICS_ENABLED"]
     assert server["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("postgresql+asyncpg://prefect:")
-
-
-def _final(client, run_id, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        run = client.read_flow_run(run_id)
-        if run.state and run.state.is_final():
-            return run
-        assert time.monotonic() < deadline, f"flow run {run_id} still {run.state.name} after {timeout_s}s"
-        time.sleep(2)
 
 
 def _candidate(tmp_path: Path, recorded, label: str, solved: int) -> str:
