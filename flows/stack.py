@@ -145,6 +145,9 @@ def up(root: Path, ports: Ports = Ports(), s3_endpoint: str | None = None, worke
         _postgres(stack, say)
         _save(stack)
         if s3_endpoint is None and not alive(stack.pids.get("s3", 0)):
+            if not (BIN / "moto_server").exists():
+                raise StackError("no S3 to use: moto's server is not installed (the dev extra, `make setup`, "
+                                 "installs it); or give --s3-endpoint of an S3 you run (MinIO, AWS)")
             stack.pids["s3"] = _start(stack, "s3", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p",
                                                     str(ports.s3)], {})
             _wait_port(ports.s3, stack, "s3")
