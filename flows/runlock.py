@@ -60,6 +60,8 @@ def lock_path(root: Path, pipeline: str) -> Path:
 
 def describe(holder: dict) -> str:
     """The holder in a few words: pid, host, start, its Prefect and MLflow runs."""
+    if not holder:
+        return "its holder has not recorded itself yet"
     parts = [f"pid {holder.get('pid')} on {holder.get('host')}", f"started {holder.get('started', '?')}"]
     if holder.get("flow_run_id"):
         parts.append(f"Prefect flow run {holder['flow_run_id']}")
@@ -109,7 +111,7 @@ def pipeline_lock(root: Path, pipeline: str, flow_run_id: str = "", wait: bool =
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                holder = _read(handle)
+                holder = _holder(handle)
                 if not wait:
                     raise PipelineBusy(
                         f"pipeline '{pipeline}' is already running ({describe(holder)}); let it finish, or run "
@@ -144,7 +146,7 @@ def reap(root: Path) -> list[Found]:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                found.append(Found(path.stem, _read(handle), True, []))
+                found.append(Found(path.stem, _holder(handle), True, []))
                 continue
             left = _read(handle)
             if left:
@@ -197,6 +199,15 @@ def _kill_mlflow_runs(run_id: str) -> list[str]:
     except MlflowException as err:
         marked.append(f"MLflow run {run_id} could not be marked ({err.error_code})")
     return marked
+
+
+def _holder(handle, timeout_s: float = 3.0) -> dict:
+    """The holder's record, read again for a moment while it is empty: a holder writes it just after taking the
+    lock, and rewrites it (truncate, write) when it records its MLflow run."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := _read(handle)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
 
 
 def _read(handle) -> dict:
