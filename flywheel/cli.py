@@ -71,6 +71,7 @@ USER_ERRORS = (
     "flywheel.evaluate.arms.SpecError", "flywheel.promotion.PromotionError", "flywheel.reproduce.RerunError",
     "flywheel.serving.loop.LoopError", "flywheel.serving.server.ServeError", "flows.deployments.DeployError",
     "flows.stage.StageJobError", "flows.runlock.PipelineBusy", "flows.stack.StackError",
+    "flywheel.train.rl.teacher.OPDSetupError", "flywheel.train.rl.opd.NonFiniteTeacher",
 )
 _RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where Prefect reports a failed flow or task run
 

@@ -396,10 +396,37 @@ class SFTConfig(Section):
     processes: int = Field(2, ge=1)  # processes accelerate starts (one per GPU; gloo on CPU)
 
 
+class OPDConfig(Section):
+    """On-policy distillation (rl.objective opd or reward+opd): a teacher's log-probabilities of the tokens the
+    student sampled give every token an advantage, -kl_coef * (log p_student - log p_teacher)."""
+
+    # A checkpoint folder (under the project root, or absolute) whose tokenizer is the student's; with base_url,
+    # the model name a server over the OpenAI protocol serves (vLLM: its completions API with prompt_logprobs).
+    teacher: str
+    base_url: str | None = None
+    api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")  # the variable's NAME, never the key
+    kl_coef: float = Field(1.0, gt=0)  # the weight of the per-token reverse KL to the teacher
+    reward_coef: float = Field(1.0, ge=0)  # reward+opd: the weight of the group advantage of the task reward
+    device: str = Field("auto", pattern=DEVICE_PATTERN)  # a local teacher's (the learner runs it)
+    # server: retried like the teacher's client (429, 5xx, timeouts); past the retries the step's groups are
+    # dropped and counted, never trained on without the teacher
+    concurrency: int = Field(16, ge=1, le=512)
+    timeout_s: float = Field(120.0, gt=0)
+    max_retries: int = Field(6, ge=0, le=20)
+    breaker_failures: int = Field(10, ge=1)  # this many failed attempts in a row: the endpoint is down
+    # a token whose teacher log-probability is NaN or infinite leaves the loss (counted); past this share of
+    # the run's tokens the run stops with an error
+    max_nonfinite_fraction: float = Field(0.01, ge=0, le=1)
+
+
 class RLConfig(Section):
     steps: int = Field(10, ge=0)
     tasks_per_step: int = Field(16, ge=1)
-    group_size: int = Field(4, ge=2)
+    group_size: int = Field(4, ge=1)  # reward objectives need 2 or more: a group is scored against itself
+    # What the learner's advantages come from: the task reward (GRPO-family group advantages), the teacher's
+    # per-token judgement of the student's own samples (on-policy distillation, `opd`), or both.
+    objective: Literal["reward", "opd", "reward+opd"] = "reward"
+    opd: OPDConfig | None = None
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(64, ge=1)  # per assistant turn
     lr: float = Field(3e-5, gt=0)  # 2e-4 and above break the tiny student's digit copying (measured)
@@ -460,6 +487,12 @@ class RLConfig(Section):
 
     @model_validator(mode="after")
     def _actors_fit(self) -> RLConfig:
+        if self.objective != "reward" and self.opd is None:
+            raise ValueError(f"objective '{self.objective}' needs rl.opd with a teacher: a checkpoint folder with "
+                             "the student's tokenizer, or a served model name and base_url")
+        if self.objective != "opd" and self.group_size < 2:
+            raise ValueError(f"group_size {self.group_size}: objective '{self.objective}' scores each task's "
+                             "samples against each other, so it needs 2 or more (only 'opd' can take 1)")
         if self.generation == "vllm" and self.actors == 0:
             raise ValueError("generation 'vllm' needs actors >= 1: the vLLM engine runs in an actor process, and "
                              "with actors 0 the learner generates with transformers itself")

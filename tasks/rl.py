@@ -1,4 +1,5 @@
-"""Stage rl: improve the SFT student with asynchronous GRPO-family RL (actor processes + learner) on the train tasks."""
+"""Stage rl: improve the SFT student with asynchronous GRPO-family RL (actor processes + learner) on the train tasks,
+from the task reward, a teacher's per-token log-probabilities (on-policy distillation), or both (rl.objective)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from flywheel.metrics import final_metrics
 from flywheel.stages import StageResult
 from flywheel.train.rl.loop import NO_UPDATES_FILE, no_update_warning, train_rl
 from flywheel.train.rl.monitor import MONITOR_FILE, Monitor, audit_sample
+from flywheel.train.rl.teacher import load_teacher
 from tasks.kernel import stage_context, stage_task
 from tasks.progress import progress
 from tasks.reports import publish_monitor_report
@@ -38,10 +40,13 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
             shutil.copytree(catalog.model_dir("sft"), out_dir)
             rows, summary = [], {"steps": 0}
         else:
+            # on-policy distillation's teacher: a checkpoint folder under the project root, or a server
+            teacher = load_teacher(cfg.rl.opd, stage.root) if cfg.rl.objective != "reward" else None
             rows, summary = train_rl(catalog.model_dir("sft"), env, tasks, cfg.rl, out_dir,
                                      max_turns=cfg.environment.max_turns, device=cfg.student.device,
                                      max_tokens=cfg.environment.max_episode_tokens,
-                                     on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"), monitor=monitor)
+                                     on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"), monitor=monitor,
+                                     teacher=teacher)
         catalog.write("rollouts", pd.DataFrame(rows, columns=list(Rollouts.to_schema().columns)))
         report_path = catalog.stage_dir("rl") / MONITOR_FILE
         report_path.unlink(missing_ok=True)

@@ -40,6 +40,8 @@ class StageSpec:
             paths.append(root / cfg.student.chat_template)  # its text, not only its name, is an input
         if "environment" in self.config:
             paths += [root / d for d in env_deps(cfg, root)]  # an absolute path stays itself
+        if self.name == "rl":
+            paths += [root / d for d in teacher_deps(cfg)]
         return paths
 
     def out_paths(self, root: Path, pipeline: str) -> list[Path]:
@@ -189,6 +191,13 @@ def env_deps(cfg: PipelineConfig, root: Path) -> list[str]:
             for p in environment_sources(cfg.environment, root)]
 
 
+def teacher_deps(cfg: PipelineConfig) -> list[str]:
+    """On-policy distillation's local teacher checkpoint (rl.opd.teacher without base_url): its weights are an
+    input of the rl stage. A served teacher is its URL and model name, which the rl config section holds."""
+    opd = cfg.rl.opd
+    return [opd.teacher] if cfg.rl.objective != "reward" and opd is not None and not opd.base_url else []
+
+
 _GLOB = set("*?[")
 
 
@@ -235,6 +244,8 @@ def dvc_yaml(root: Path = PACKAGE_ROOT) -> str:
         # deps that differ per pipeline: collect's source folders, the environment's own code (a factory's)
         if spec.name == "collect":
             table = {name: source_deps(cfg) + envs[name] for name, cfg in pipelines.items()}
+        elif spec.name == "rl":
+            table = {name: envs[name] + teacher_deps(cfg) for name, cfg in pipelines.items()}
         elif "environment" in spec.config:
             table = envs
         else:

@@ -7,6 +7,9 @@ injects faults on demand: `inject("429", "500", "hang", "drop", "malformed")` ap
 next requests; `down_after = N` drops every request after the N-th answer (an endpoint that died); `hang_after
 = N` holds every request after the N-th answer unanswered (so a test can kill its client at a known point).
 It also plays the simulated user (flywheel/envs/users.py) by rule, known by its prompts: see `simulated_user`.
+With `logprob_model` (a checkpoint folder) it serves POST /v1/completions as vLLM does for on-policy
+distillation: `prompt` as token ids, `prompt_logprobs`, each prompt token's log-probability under that model
+(fault "nan": every log-probability of the answer is null, as a broken teacher would give).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from flywheel.envs.calculator import CalculatorEnv
 from flywheel.envs.users import SCENARIO_PROMPT, USER_PROMPT
 from flywheel.policies.toolcalls import render_tool_call
 
-FAULTS = {"429", "500", "hang", "drop", "malformed"}
+FAULTS = {"429", "500", "hang", "drop", "malformed", "nan"}
 
 
 class _Dropped(Response):
@@ -57,7 +60,7 @@ class OracleServer:
     """The calculator oracle served over the OpenAI protocol, with request counts and fault injection."""
 
     def __init__(self, mode: str = "tools", latency_s: float = 0.0, api_key: str | None = None,
-                 retry_after: str = "1", hang_s: float = 5.0):
+                 retry_after: str = "1", hang_s: float = 5.0, logprob_model: str | None = None):
         if mode not in ("tools", "text"):
             raise ValueError(f"mode must be 'tools' or 'text', not {mode!r}")
         self.mode, self.latency_s, self.api_key = mode, latency_s, api_key
@@ -70,6 +73,8 @@ class OracleServer:
         self.judge = None
         # replay mode: when set (a TraceReplayer), every answer is the recorded conversation's next assistant turn
         self.replay = None
+        self.logprob_model = logprob_model  # completions with prompt_logprobs from this checkpoint; None: no route
+        self._scorer = None  # (model, tokenizer), loaded at the first completions request
         self.received: list[dict] = []  # every request body, in arrival order
         self.answered: Counter[str] = Counter()  # body hash -> how many times it got a 200 answer
         self.seen_faults: Counter[str] = Counter()
@@ -143,6 +148,14 @@ class OracleServer:
             return JSONResponse({"object": "list", "data": [{"id": "oracle", "object": "model", "owned_by": "tests"}]})
 
         async def chat(request: Request) -> Response:
+            return await handle(request, self._answer)
+
+        async def completions(request: Request) -> Response:
+            if self.logprob_model is None:
+                return _error(404, "This server does not serve the completions API.", "invalid_request_error")
+            return await handle(request, self._completion)
+
+        async def handle(request: Request, answer) -> Response:
             body = await request.json()
             with self._lock:
                 number = len(self.received)
@@ -173,15 +186,39 @@ class OracleServer:
                 return _error(504, "gave up", "server_error")  # the client stopped waiting long ago
             if fault == "drop":
                 return _Dropped()
-            payload = self._answer(body, number, malformed=fault == "malformed")
+            payload = answer(body, number, malformed=fault == "malformed", nan=fault == "nan")
             with self._lock:
                 self.answered[body_hash(body)] += 1
             return JSONResponse(payload)
 
         return Starlette(routes=[Route("/v1/models", models, methods=["GET"]),
-                                 Route("/v1/chat/completions", chat, methods=["POST"])])
+                                 Route("/v1/chat/completions", chat, methods=["POST"]),
+                                 Route("/v1/completions", completions, methods=["POST"])])
 
-    def _answer(self, body: dict, number: int, malformed: bool) -> dict:
+    def _completion(self, body: dict, number: int, malformed: bool, nan: bool) -> dict:
+        """vLLM's completions answer with prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}}."""
+        import torch
+
+        from flywheel.checkpoints import load_student
+        from flywheel.train.rl.loss import token_logprobs
+
+        if self._scorer is None:
+            self._scorer = load_student(self.logprob_model)
+        model, tokenizer = self._scorer
+        ids = body["prompt"]
+        with torch.no_grad():
+            values = token_logprobs(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+        entries = [None] + [{str(t): {"logprob": None if nan else float(v), "rank": 1,
+                                      "decoded_token": tokenizer.decode([t])}}
+                            for t, v in zip(ids[1:], values[1:].tolist(), strict=True)]
+        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+        if body.get("prompt_logprobs") is not None:
+            choice["prompt_logprobs"] = entries
+        return {"id": f"cmpl-{number}", "object": "text_completion", "created": 0, "model": body["model"],
+                "choices": [choice], "usage": {"prompt_tokens": len(ids), "completion_tokens": 1,
+                                               "total_tokens": len(ids) + 1}}
+
+    def _answer(self, body: dict, number: int, malformed: bool, nan: bool = False) -> dict:
         judge = self.judge
         played = simulated_user(body)
         if played is not None:

@@ -140,6 +140,32 @@ def test_an_edited_task_file_changes_the_key_of_every_stage_that_runs_the_enviro
     assert {stage: input_key(stage, "small", root) for stage in ORDER} == before
 
 
+def test_a_local_opd_teacher_is_an_input_of_the_rl_stage(tmp_path):
+    """Its bytes key rl (and DVC's deps name it); a served teacher is its URL and name, in the rl section."""
+    root = _project(tmp_path, "opd_env", {})  # a module name no other test imports
+    _tasks_file(root / "opd_env" / "tasks.jsonl", "in")
+    config = yaml.safe_load((root / "pipelines.yaml").read_text())
+    config["pipelines"]["small"]["rl"] |= {"objective": "opd", "opd": {"teacher": "models/opd-teacher"}}
+    (root / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    teacher = root / "models" / "opd-teacher"
+    teacher.mkdir(parents=True)
+    (teacher / "model.safetensors").write_bytes(b"weights 1")
+    stages = yaml.safe_load(dvc_yaml(root))["stages"]
+    assert stages["rl"]["foreach"]["small"] == {"env": ["opd_env", "models/opd-teacher"]}
+    before = {stage: input_key(stage, "small", root) for stage in ORDER}
+    (teacher / "model.safetensors").write_bytes(b"weights 2")
+    after = {stage: input_key(stage, "small", root) for stage in ORDER}
+    assert {s for s in ORDER if after[s] != before[s]} == {"rl"}
+
+    config["pipelines"]["small"]["rl"]["opd"] = {"teacher": "big-teacher", "base_url": "http://127.0.0.1:9/v1"}
+    (root / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    assert yaml.safe_load(dvc_yaml(root))["stages"]["rl"]["foreach"]["small"] == {"env": ["opd_env"]}
+    served = input_key("rl", "small", root)
+    config["pipelines"]["small"]["rl"]["opd"]["teacher"] = "bigger-teacher"
+    (root / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    assert input_key("rl", "small", root) != served
+
+
 def _md5s(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.parquet"))}
 

@@ -39,12 +39,12 @@ def test_misspelt_key_names_the_file_and_the_key(tmp_path):
 
 def test_bad_value_names_the_key_and_the_value(tmp_path):
     data = _demo()
-    data["pipelines"]["demo"]["rl"]["group_size"] = 1
+    data["pipelines"]["demo"]["rl"]["group_size"] = 0
     data["pipelines"]["demo"]["sft"]["lr"] = "fast"
     with pytest.raises(ConfigError) as err:
         load_pipelines(_write(tmp_path, data))
     message = str(err.value)
-    assert "pipelines.demo.rl.group_size" in message and "(got 1)" in message
+    assert "pipelines.demo.rl.group_size" in message and "(got 0)" in message
     assert "pipelines.demo.sft.lr" in message and "'fast'" in message
 
 

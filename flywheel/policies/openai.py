@@ -48,10 +48,11 @@ class OpenAIPolicy:
     def __init__(self, model: str, base_url: str | None = None, api_key_env: str | None = None, *,
                  concurrency: int = 16, timeout_s: float = 120.0, max_retries: int = 6,
                  breaker_failures: int = 10, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
-                 cache: ResponseCache | str | Path | None = None):
+                 cache: ResponseCache | str | Path | None = None, section: str = "teacher"):
         if not model:
             raise ValueError("the openai policy needs a model name (teacher.model in pipelines.yaml)")
         self.model = model
+        self.section = section  # the config section its settings come from, for the messages
         self.base_url = base_url
         self.api_key_env = api_key_env
         self._api_key = _read_key(api_key_env)  # held here only; never logged or put in an error
@@ -94,6 +95,13 @@ class OpenAIPolicy:
             records |= _run(self._fetch_all(todo))
         return [completion_from_record(records[key]) for key in keys]
 
+    def post_many(self, bodies: dict[str, dict], path: str = "chat/completions") -> dict[str, dict]:
+        """key -> {response, latency_s}: each body POSTed to `path` under the base URL, concurrently, with the
+        retries and breaker of `generate` (a TeacherError past them); no cache. A fresh breaker per call: one
+        bad batch does not stop the next."""
+        self._stopped, self._failures_in_a_row = None, 0
+        return _run(self._fetch_all(bodies, path)) if bodies else {}
+
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
@@ -109,7 +117,7 @@ class OpenAIPolicy:
             body["seed"] = sampling.seed + sample
         return body
 
-    async def _fetch_all(self, todo: dict[str, dict]) -> dict[str, dict]:
+    async def _fetch_all(self, todo: dict[str, dict], path: str = "chat/completions") -> dict[str, dict]:
         stop = asyncio.Event()
         slots = asyncio.Semaphore(self.concurrency)
         http = openai.DefaultAsyncHttpxClient(verify=_tls_context(), timeout=self.timeout_s,
@@ -120,7 +128,7 @@ class OpenAIPolicy:
         # parsing, ~0.6 ms of CPU each) delays every answer in flight behind it, a third of a 50 ms request
         # at concurrency 16.
         sdk = openai.AsyncOpenAI(api_key=self._api_key, base_url=self.base_url, max_retries=0, http_client=http)
-        url = sdk.base_url.join("chat/completions")
+        url = sdk.base_url.join(path)
         headers = {k: v for k, v in (sdk.default_headers | sdk.auth_headers).items() if isinstance(v, str)}
         async with http:
             fetches = [asyncio.create_task(self._fetch(http, url, headers, slots, stop, key, body))
@@ -179,14 +187,14 @@ class OpenAIPolicy:
                         answer = _json(response.content)
                         if isinstance(answer, dict) and isinstance(answer.get("choices"), list) and answer["choices"]:
                             return self._received(key, answer, time.perf_counter() - started)
-                        failure = f"the answer is not a chat completion: {response.text[:200]!r}"
+                        failure = f"the answer is not a completion: {response.text[:200]!r}"
                         self.stats["server_errors"] += 1
             if not busy:  # a 429 says the endpoint is up, only busy: not a sign that it is down
                 self._failed(stop, failure)
             self._check(stop)
             if attempt == self.max_retries:
                 raise TeacherError(f"a request to {self.endpoint} failed {attempt + 1} times "
-                                   f"(teacher.max_retries {self.max_retries}); last: {failure}")
+                                   f"({self.section}.max_retries {self.max_retries}); last: {failure}")
             self.stats["retries"] += 1
             if retry_after is not None:
                 delay = min(retry_after, MAX_RETRY_AFTER_S) * random.uniform(1.0, 1.1)
@@ -211,8 +219,9 @@ class OpenAIPolicy:
     def _failed(self, stop: asyncio.Event, failure: str) -> None:
         self._failures_in_a_row += 1
         if self._failures_in_a_row >= self.breaker_failures:
-            self._stop(stop, f"teacher endpoint {self.endpoint} looks down: {self._failures_in_a_row} attempts "
-                             f"in a row failed (teacher.breaker_failures {self.breaker_failures}); last: {failure}")
+            self._stop(stop, f"{self.section} endpoint {self.endpoint} looks down: {self._failures_in_a_row} attempts "
+                             f"in a row failed ({self.section}.breaker_failures {self.breaker_failures}); "
+                             f"last: {failure}")
 
     def _stop(self, stop: asyncio.Event, reason: str) -> None:
         self._stopped = self._stopped or reason
@@ -225,11 +234,11 @@ class OpenAIPolicy:
 
     def _refusal(self, status: int, message: str) -> str:
         if status in (401, 403):
-            source = f"the key in ${self.api_key_env}" if self.api_key_env else "no key (teacher.api_key_env is unset)"
+            source = f"the key in ${self.api_key_env}" if self.api_key_env else f"no key ({self.section}.api_key_env is unset)"
             return f"{self.endpoint} refused {source} (HTTP {status}): {message}"
         if status == 404:
             return f"{self.endpoint} does not serve model '{self.model}' (HTTP 404): {message}"
-        return f"{self.endpoint} rejected a request (HTTP {status}); check the teacher settings: {message}"
+        return f"{self.endpoint} rejected a request (HTTP {status}); check the {self.section} settings: {message}"
 
     def _redact(self, text: str) -> str:
         return text.replace(self._api_key, "***") if len(self._api_key) >= 8 else text

@@ -28,8 +28,9 @@ _EXECUTION_KEYS = {"steps", "checkpoint_every", "actors", "learner_threads", "ac
 
 
 def fingerprint(model_dir: Path, tasks: list[Task], cfg: RLConfig, env_name: str, max_turns: int,
-                max_tokens: int | None = None) -> str:
-    """A hash of what a run's results depend on: the start checkpoint's files, the tasks and the config."""
+                max_tokens: int | None = None, teacher: str = "") -> str:
+    """A hash of what a run's results depend on: the start checkpoint's files, the tasks and the config (and
+    on-policy distillation's teacher: its checkpoint's bytes, or its server and model)."""
     digest = hashlib.sha256(str(model_dir).encode())
     if Path(model_dir).is_dir():
         for file in sorted(Path(model_dir).iterdir()):
@@ -40,6 +41,8 @@ def fingerprint(model_dir: Path, tasks: list[Task], cfg: RLConfig, env_name: str
     execution = _EXECUTION_KEYS - ({"steps"} if cfg.lr_schedule != "constant" else set())
     digest.update(json.dumps(cfg.model_dump(exclude=execution), sort_keys=True).encode())
     digest.update(f"{env_name}:{max_turns}".encode() + (f":{max_tokens}".encode() if max_tokens else b""))
+    if teacher:
+        digest.update(f"teacher:{teacher}".encode())
     return digest.hexdigest()[:16]
 
 

@@ -8,6 +8,7 @@ import torch
 
 from flywheel.config import RLConfig
 from flywheel.train.rl.loss import k3_kl, policy_loss, token_logprobs
+from flywheel.train.rl.opd import distill_advantages
 
 _MAXIMA = ("ratio_max", "is_weight_max", "grad_norm_max")
 
@@ -39,7 +40,8 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     """cfg.epochs_per_batch passes of minibatch steps; the ratio is against the batch's starting weights.
 
     A batch with behaviour_logprobs (the actors' sampling logprobs) also gets truncated importance weights
-    (cap cfg.tis_cap); with a reference model, a k3 KL penalty (cfg.kl_beta) towards it.
+    (cap cfg.tis_cap); with a reference model, a k3 KL penalty (cfg.kl_beta) towards it; with teacher_logprobs
+    (on-policy distillation), per-token advantages from the teacher (flywheel/train/rl/opd.py).
     """
     device = next(model.parameters()).device
     batch = {key: value.to(device) for key, value in batch.items()}  # collated on the CPU; learned where the model is
@@ -47,6 +49,11 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     old = batch_logprobs(model, batch, cfg.minibatch_size, cfg.temperature)
     ref = batch_logprobs(reference, batch, cfg.minibatch_size, cfg.temperature) if reference is not None else None
     extra: dict[str, float] = {}
+    advantages = batch["advantages"]
+    if "teacher_logprobs" in batch:  # on-policy distillation: per-token advantages against these old log-probs
+        reward_coef = cfg.opd.reward_coef if cfg.objective == "reward+opd" else 0.0
+        advantages, extra = distill_advantages(old, batch["teacher_logprobs"], batch["loss_mask"],
+                                               batch["advantages"], cfg.opd.kl_coef, reward_coef)
     if "behaviour_logprobs" in batch:
         # How far the learner's policy has moved from the one that sampled: the cost of staleness.
         mask = batch["loss_mask"]
@@ -62,7 +69,7 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
                                       cfg.temperature)
             behaviour = batch["behaviour_logprobs"][idx] if "behaviour_logprobs" in batch else None
             loss, stats = policy_loss(
-                logprobs, old[idx], batch["advantages"][idx], batch["loss_mask"][idx], clip_eps=cfg.clip_eps,
+                logprobs, old[idx], advantages[idx], batch["loss_mask"][idx], clip_eps=cfg.clip_eps,
                 loss_type=cfg.loss_type, max_length=cfg.max_length, behaviour_logprobs=behaviour,
                 tis_cap=cfg.tis_cap, ref_logprobs=None if ref is None else ref[idx], beta=cfg.kl_beta)
             optimizer.zero_grad(set_to_none=True)

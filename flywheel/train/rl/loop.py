@@ -29,8 +29,10 @@ from flywheel.train.rl.checkpoints import Checkpoints, fingerprint
 from flywheel.train.rl.generation import Actors, InProcess, Snapshots
 from flywheel.train.rl.learner import learn_on_batch, learning_rate
 from flywheel.train.rl.monitor import Monitor
+from flywheel.train.rl.opd import NonFiniteBudget, with_teacher
 from flywheel.train.rl.selection import Selection, validation_split
 from flywheel.train.rl.source import Work, filtered_work, task_stream, work_items
+from flywheel.train.rl.teacher import TeacherUnavailable, load_teacher
 
 __all__ = ["NO_UPDATES_FILE", "no_update_warning", "task_stream", "train_rl"]
 
@@ -109,7 +111,8 @@ class _Timing:
 def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig, out_dir: Path,
              max_turns: int, on_step: Callable[[int, dict], None] | None = None,
              checkpoint_dir: Path | None = None, device: str = "auto",
-             monitor: Monitor | None = None, max_tokens: int | None = None) -> tuple[list[dict], dict]:
+             monitor: Monitor | None = None, max_tokens: int | None = None,
+             teacher=None) -> tuple[list[dict], dict]:
     """GRPO-family RL from the checkpoint in model_dir; saves to out_dir; returns (rollout rows, summary).
 
     Checkpoints go to checkpoint_dir (default: `rl-checkpoints` beside out_dir); a killed run resumes there.
@@ -118,7 +121,8 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     stay on it for the caller's report, and its numbers join the step metrics and the summary.
     cfg.keep_best: the output is the version that did best on a validation sample of `tasks`, which RL then
     never draws (flywheel/train/rl/selection.py), not the last. max_turns, max_tokens: where an episode is cut
-    (environment.max_turns, max_episode_tokens).
+    (environment.max_turns, max_episode_tokens). teacher: on-policy distillation's (cfg.objective opd or
+    reward+opd; default: load_teacher(cfg.opd), a relative checkpoint path read from the working directory).
     """
     from flywheel.checkpoints import save_student
     from flywheel.devices import resolve_device
@@ -128,10 +132,17 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.learner_threads)
     validation, tasks = validation_split(tasks, cfg)
+    if cfg.objective != "reward" and teacher is None:
+        teacher = load_teacher(cfg.opd)
     checkpoints = Checkpoints(checkpoint_dir or Path(out_dir).parent / "rl-checkpoints",
-                              fingerprint(Path(model_dir), tasks, cfg, env.name, max_turns, max_tokens))
+                              fingerprint(Path(model_dir), tasks, cfg, env.name, max_turns, max_tokens,
+                                          teacher.identity() if teacher is not None else ""))
     run = _start(model_dir, cfg, checkpoints, learner_device)
     model, tokenizer, rows, history = run.model, run.tokenizer, run.rows, run.history
+    distill = None
+    if teacher is not None:
+        teacher.check(tokenizer, str(model_dir))  # before any rollout: another tokenizer, no log-probabilities
+        distill = _Distill(teacher, NonFiniteBudget.of(cfg, teacher.name, history))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if cfg.difficulty_filter:  # the steps whose draw depends only on outcomes learned before this run's first
         ahead = range(run.first, min(run.first + cfg.max_staleness + 1, cfg.steps))
@@ -159,11 +170,11 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
             learning = time.perf_counter()
             for group in run.optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, step)
-            advantages, stats = _learn(model, run, groups, cfg, pad_id)
+            advantages, stats, failed = _learn(model, run, groups, cfg, pad_id, distill, step)
             snapshots.add(model, version + 1)
             source.publish(model, version + 1)
             everything = sorted(groups + stale, key=lambda g: g.index)
-            rows.extend(_rows(step, version, everything, advantages, {g.index for g in stale}))
+            rows.extend(_rows(step, version, everything, advantages, {g.index for g in stale + failed}))
             following = step + cfg.max_staleness + 1  # its draw needed this step's outcomes
             if cfg.difficulty_filter and following < cfg.steps:
                 pending[following] = filtered_work(tasks, cfg, following, rows)
@@ -182,6 +193,8 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
                 on_step(step, metrics)
     finally:
         source.close()
+        if teacher is not None:
+            teacher.close()
         torch.set_num_threads(threads)
 
     selection.restore()
@@ -252,14 +265,40 @@ class _Watch:
         return self.monitor.summary(history) if self.monitor is not None else {}
 
 
-def _learn(model: torch.nn.Module, run: _Start, groups: list[Group], cfg: RLConfig,
-           pad_id: int) -> tuple[dict[int, list[float] | None], dict]:
-    """One learner step on the groups: (advantages by group, None for a group without signal; loss stats)."""
-    advantages = {g.index: advantages_of(g, cfg.loss_type) for g in groups}
-    samples = [s for g in groups if advantages[g.index] is not None for s in samples_of(g, advantages[g.index])]
-    stats = (learn_on_batch(model, run.optimizer, collate(samples, pad_id), cfg, run.shuffle, run.reference)
-             if samples else {})
-    return advantages, stats
+@dataclass
+class _Distill:
+    """On-policy distillation's teacher and the run's count of its unusable log-probabilities."""
+
+    teacher: object
+    budget: NonFiniteBudget
+
+
+def _learn(model: torch.nn.Module, run: _Start, groups: list[Group], cfg: RLConfig, pad_id: int,
+           distill: _Distill | None, step: int) -> tuple[dict[int, list[float] | None], dict, list[Group]]:
+    """One learner step on the groups: (reward advantages by group, None for a group without that signal; loss
+    stats; the groups dropped because the teacher failed on them).
+
+    Under on-policy distillation every group trains (each token has the teacher's signal), with its reward
+    advantages under `reward+opd` (zeros where the rewards were equal) and none under `opd`."""
+    rewarded = cfg.objective != "opd"
+    advantages = {g.index: advantages_of(g, cfg.loss_type) if rewarded else None for g in groups}
+    if distill is None:
+        samples = [s for g in groups if advantages[g.index] is not None for s in samples_of(g, advantages[g.index])]
+    else:
+        samples = [s for g in groups for s in samples_of(g, advantages[g.index] or [0.0] * len(g.rollouts))]
+    if not samples:
+        return advantages, {}, []
+    batch, counts = collate(samples, pad_id), {}
+    if distill is not None:
+        try:
+            batch, counts = with_teacher(batch, distill.teacher)
+        except TeacherUnavailable as err:
+            print(f"rl step {step}: {distill.teacher.name} failed ({err}); the step's {len(groups)} groups are "
+                  "dropped, not trained on", flush=True)
+            return advantages, {"teacher_failed_groups": len(groups)}, groups
+        distill.budget.add(counts["teacher_tokens"], counts["teacher_nonfinite_tokens"], step)
+    stats = learn_on_batch(model, run.optimizer, batch, cfg, run.shuffle, run.reference)
+    return advantages, stats | counts | {"trained_tokens": int(batch["loss_mask"].sum())}, []
 
 
 def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig, wait_s: float,
@@ -270,7 +309,8 @@ def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig
     generate_s = sum(g.generate_s for g in groups + stale)
     idle_s = sum(g.idle_s for g in groups + stale)
     step_s = wait_s + learn_s
-    skipped = sum(len({r.reward for r in g.rollouts}) == 1 for g in groups)
+    # groups whose rewards were all equal carry no reward signal (on-policy distillation trains them all)
+    skipped = sum(len({r.reward for r in g.rollouts}) == 1 for g in groups) if cfg.objective == "reward" else 0
     metrics = {RL_REWARD: float(rewards.mean()), "reward_std": float(rewards.std()),
                "pass_rate": float(np.mean([r.passed for r in rollouts])) if rollouts else 0.0,
                "groups": len(groups), "dropped_groups": len(stale),
@@ -292,6 +332,12 @@ def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig
                "policy_version": version}
     if "kl" in stats:
         metrics["kl"] = stats["kl"]
+    metrics["trained_tokens"] = stats.get("trained_tokens", 0)
+    if cfg.objective != "reward":  # per-token reverse KL to the teacher, and what the teacher could not score
+        metrics |= {"teacher_kl": stats.get("teacher_kl", float("nan")),
+                    "teacher_logprob": stats.get("teacher_logprob", float("nan")),
+                    **{key: stats.get(key, 0) for key in ("teacher_tokens", "teacher_nonfinite_tokens",
+                                                          "teacher_failed_groups")}}
     return metrics
 
 
@@ -311,7 +357,15 @@ def _summary(cfg: RLConfig, rows: list[dict], history: list[dict], timing: _Timi
                     / max(sum(m["groups"] for m in history), 1),
                     RL_UPDATES: int(sum(m[RL_UPDATES] for m in history)),
                     "dropped_groups": int(sum(m["dropped_groups"] for m in history)),
-                    "split_rollouts": int(sum(m["split_rollouts"] for m in history))}
+                    "split_rollouts": int(sum(m["split_rollouts"] for m in history)),
+                    "trained_tokens": int(sum(m.get("trained_tokens", 0) for m in history)),
+                    "generated_tokens": sum(r["tokens"] for r in rows)}
+        if cfg.objective != "reward":
+            kl = [m["teacher_kl"] for m in history if m.get("teacher_tokens")]
+            summary |= {"teacher_kl_first": kl[0] if kl else float("nan"),
+                        "teacher_kl_last": kl[-1] if kl else float("nan"),
+                        **{key: int(sum(m.get(key, 0) for m in history))
+                           for key in ("teacher_tokens", "teacher_nonfinite_tokens", "teacher_failed_groups")}}
     return summary
 
 

@@ -57,7 +57,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                          f"mask {tuple(mask.shape)} must all be [B, T]")
     mask = mask.to(logprobs.dtype)
     old_logprobs = old_logprobs.detach()
-    adv = advantages.to(logprobs.dtype).unsqueeze(-1)
+    # one advantage per sequence [B] (the group's reward), or one per token [B, T] (on-policy distillation)
+    adv = advantages.to(logprobs.dtype)
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
 
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -adv * ratio
