@@ -8,8 +8,9 @@ The pipeline's loop without orchestration, per seed, as benchmarks/rl_gain.py ru
 (seeded), the pipeline's imperfect teacher synthesising SFT data, SFT; then from the SFT checkpoint the
 pipeline's RL (its rl section as shipped) and on-policy distillation (the same rl section with the objective
 `opd` and the OPD settings below), each scored greedily on the same held-out tasks. The OPD teacher is a
-stronger checkpoint with the student's tokenizer, built once: a larger tiny model (hidden 192, 3 layers) trained
-longer (`--teacher-steps`) on conversations of a correct oracle over the train tasks (never the held-out ones).
+stronger checkpoint with the student's tokenizer, built once: the student's architecture trained longer
+(`--teacher-steps`, against SFT's 600) on conversations of a correct oracle over the train tasks (never the
+held-out ones), where the student's SFT data comes from a teacher wrong on 95% of `big` answers.
 Per seed one JSON line: each arm's held-out pass rate and per slice, OPD - SFT and OPD - RL paired per task with
 the gate's bootstrap interval, each arm's student compute (episodes generated, tokens generated, tokens in the
 loss, learner wall time); then a summary line. A `--workdir` keeps the teacher and each seed's SFT checkpoint,
@@ -19,6 +20,7 @@ so trying another OPD setting reuses them. `--quick`: tiny sizes (what a test ca
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import tempfile
 import time
@@ -69,10 +71,11 @@ def built(folder: Path, build) -> dict:
 
 
 def build_teacher(folder: Path, pipeline, env, train, corpus: list[str], steps: int) -> dict:
-    """The OPD teacher: a larger tiny model with the student's tokenizer, SFT on a correct oracle's conversations."""
+    """The OPD teacher: the student's architecture and tokenizer, SFT longer on a correct oracle's conversations."""
     tiny = pipeline.student.tiny
-    base = build_tiny_student(corpus, TinyModelConfig(hidden_size=192, layers=3, heads=4, vocab_size=tiny.vocab_size,
-                                                      seed=1234), folder.parent / "teacher-base")
+    base = build_tiny_student(corpus, TinyModelConfig(hidden_size=tiny.hidden_size, layers=tiny.layers,
+                                                      heads=tiny.heads, vocab_size=tiny.vocab_size, seed=1234),
+                              folder.parent / "teacher-base")
     episodes = run_episodes(env, OraclePolicy(env), train, max_turns=pipeline.environment.max_turns,
                             sampling=Sampling())
     rows = [{"messages": e.messages, "tools": env.tools()} for e in episodes if e.passed]
@@ -130,8 +133,10 @@ def one_seed(pipeline, opd_rl, env, train, heldout, corpus, seed: int, workdir: 
         cfg = (pipeline.rl if arm == "rl" else opd_rl).model_copy(update={"seed": seed, "checkpoint_every": 0})
         if arm == "opd":
             cfg = cfg.model_copy(update={"opd": cfg.opd.model_copy(update={"teacher": str(teacher)})})
-        line[f"{arm}_compute"] = improve(pipeline, env, train, heldout, sft_dir, workdir / arm, cfg)
-        result[arm] = scores(env, workdir / arm, heldout, max_turns)
+        # one folder per configuration: another OPD setting trains anew, the same one is reused
+        out = workdir / f"{arm}-{hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:8]}"
+        line[f"{arm}_compute"] = built(out, lambda f, cfg=cfg: improve(pipeline, env, train, heldout, sft_dir, f, cfg))
+        result[arm] = scores(env, out, heldout, max_turns)
     confidence = pipeline.gate.confidence
     line |= {f"{arm}_success": round(float(np.mean(list(r.values()))), 4) for arm, r in result.items()}
     line |= {f"{arm}_by_slice": by_slice(r, heldout) for arm, r in result.items()}
@@ -157,7 +162,7 @@ def main() -> None:
     parser.add_argument("--opd-tasks", type=int, default=24, help="tasks per step")
     parser.add_argument("--opd-group", type=int, default=4, help="samples per task")
     parser.add_argument("--kl-coef", type=float, default=1.0)
-    parser.add_argument("--teacher-steps", type=int, default=800)
+    parser.add_argument("--teacher-steps", type=int, default=1000)
     parser.add_argument("--workdir", type=Path, help="where models go and are reused (default: a temporary folder)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: 5 SFT steps, 2 RL/OPD steps, 48 tasks")
     args = parser.parse_args()
@@ -207,12 +212,19 @@ def main() -> None:
         lines.append(line)
     summary = {"benchmark": "opd", "pipeline": args.pipeline, "seeds": args.seeds,
                **{f"{arm}_success": [x[f"{arm}_success"] for x in lines] for arm in args.arms}}
-    if "opd" in args.arms:
-        summary["opd_lift_shown"] = sum(x["opd_minus_sft"][1] > 0 for x in lines)
-        summary["opd_episodes"] = [x["opd_compute"]["episodes"] for x in lines]
-    if "rl" in args.arms:
-        summary["rl_lift_shown"] = sum(x["rl_minus_sft"][1] > 0 for x in lines)
-        summary["rl_episodes"] = [x["rl_compute"]["episodes"] for x in lines]
+    for arm in [a for a in args.arms if a != "sft"]:
+        summary[f"{arm}_minus_sft_lower"] = [x[f"{arm}_minus_sft"][1] for x in lines]
+        summary[f"{arm}_lift_shown"] = sum(x[f"{arm}_minus_sft"][1] > 0 for x in lines)
+        for key in ("episodes", "generated_tokens", "trained_tokens", "wall_s"):
+            summary[f"{arm}_{key}"] = [x[f"{arm}_compute"][key] for x in lines]
+    if "opd" in args.arms and "rl" in args.arms:
+        summary["opd_minus_rl"] = [x["opd_minus_rl"] for x in lines]
+        # OPD's student compute as a share of RL's: tokens the student generated, tokens in its loss
+        summary["opd_to_rl_generated_tokens"] = round(sum(summary["opd_generated_tokens"])
+                                                      / max(sum(summary["rl_generated_tokens"]), 1), 3)
+        summary["opd_to_rl_trained_tokens"] = round(sum(summary["opd_trained_tokens"])
+                                                    / max(sum(summary["rl_trained_tokens"]), 1), 3)
+        summary["opd_to_rl_wall"] = round(sum(summary["opd_wall_s"]) / max(sum(summary["rl_wall_s"]), 1e-9), 3)
     print(json.dumps(summary))
 
 

@@ -462,6 +462,7 @@ def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipe
         _fail(f"{root / 'pipelines.yaml'}: no pipeline '{pipeline}' (pipelines: {', '.join(sorted(pipelines))})")
     chosen = pipelines if pipeline is None else {pipeline: pipelines[pipeline]}
     built = _check_environments(root, chosen)
+    _check_teachers(root, chosen)
     stale = _stale_dvc_yaml(root)
     if stale:
         _fail(stale)
@@ -498,6 +499,22 @@ def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bo
             typer.secho(line, fg=color)
         clean = clean and not report.errors
     return clean
+
+
+def _check_teachers(root: Path, pipelines: dict) -> None:
+    """On-policy distillation's local teacher must be a checkpoint folder now, not when the rl stage starts after
+    SFT (its tokenizer is compared with the student's there, and a served teacher is probed there)."""
+    from flywheel.checkpoints import CheckpointError, load_student
+
+    for name, cfg in pipelines.items():
+        opd = cfg.rl.opd
+        if cfg.rl.objective == "reward" or opd is None or opd.base_url:
+            continue
+        folder = Path(opd.teacher) if Path(opd.teacher).is_absolute() else root / opd.teacher
+        try:
+            load_student(folder)
+        except CheckpointError as err:
+            _fail(f"{root / 'pipelines.yaml'}: pipelines.{name}.rl.opd.teacher: {err}")
 
 
 def _check_environments(root: Path, pipelines: dict) -> dict:

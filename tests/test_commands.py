@@ -145,3 +145,31 @@ def test_dvc_asks_about_one_pipeline_where_another_never_ran(ran):
     finally:
         for name, text in files.items():
             (ran.root / name).write_text(text)
+
+
+def test_on_policy_distillation_through_the_stage(ran, monkeypatch):
+    """rl.objective opd with a local teacher checkpoint (here the SFT model's copy, so the tokenizer is the
+    student's): the rl stage runs and logs the per-token KL to the teacher in MLflow each step."""
+    import mlflow
+
+    from tasks.spec import dvc_yaml
+
+    teacher = ran.root / "teachers" / "small"
+    shutil.copytree(ran.root / "models/small/sft", teacher)
+    config = yaml.safe_load((ran.root / "pipelines.yaml").read_text())
+    config["pipelines"]["small"]["rl"] |= {"objective": "opd", "group_size": 1,
+                                           "opd": {"teacher": "teachers/small", "kl_coef": 1.0}}
+    (ran.root / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    (ran.root / "dvc.yaml").write_text(dvc_yaml(ran.root))
+    done, cached = ran.run()
+    assert done == ["rl", "evaluate", "register"] and cached == ["collect", "synthesize", "sft"]
+    assert "up to date" in ran.dvc("status")
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", ran.env()["MLFLOW_TRACKING_URI"])
+    run = mlflow.search_runs(search_all_experiments=True, filter_string="tags.`flywheel.stage` = 'rl'",
+                             order_by=["start_time DESC"], output_format="list")[0]
+    kl = mlflow.MlflowClient().get_metric_history(run.info.run_id, "teacher_kl")
+    assert [m.step for m in kl] == [0, 1] and all(m.value == m.value for m in kl)  # logged, not NaN
+    assert run.data.metrics["final_teacher_tokens"] > 0 and run.data.metrics["final_teacher_failed_groups"] == 0
+
+    # new teacher bytes are a new rl key: tests/test_cache_keys.py (a rerun here would cost the suite 30 s)

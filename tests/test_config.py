@@ -116,3 +116,19 @@ def test_cli_check_fails_while_dvc_yaml_is_out_of_date(tmp_path):
     result = CliRunner().invoke(app, ["check", "--root", str(tmp_path)])
     assert result.exit_code == 2
     assert "dvc.yaml is out of date" in result.output and "python -m tasks.spec > dvc.yaml" in result.output
+
+
+def test_cli_check_names_a_missing_opd_teacher(tmp_path):
+    """On-policy distillation's local teacher is checked before any stage runs (the rl stage is hours later)."""
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    data = _demo()
+    data["pipelines"] = {"demo": data["pipelines"]["demo"]}
+    data["pipelines"]["demo"]["rl"] |= {"objective": "opd", "opd": {"teacher": "models/teacher"}}
+    _write(tmp_path, data)
+    result = CliRunner().invoke(app, ["check", "--root", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "pipelines.demo.rl.opd.teacher" in result.output and "models/teacher: no such checkpoint folder" \
+        in result.output
