@@ -44,7 +44,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto -m "not slow"
 
 # Every benchmark in full (tens of minutes; smol.py needs the smol extra, hence that setup); each prints its figures
-# as one JSON line last. rl_gain runs the rl-lift loop for three seeds. benchmarks/gpu_check.py needs a GPU.
+# as one JSON line last. rl_gain runs the rl-lift loop for three seeds, opd the same with on-policy distillation. benchmarks/gpu_check.py needs a GPU.
 bench: $(SMOL_STAMP)
 	$(BIN)/python benchmarks/collect.py
 	$(BIN)/python benchmarks/synthesis.py
@@ -56,6 +56,7 @@ bench: $(SMOL_STAMP)
 	$(BIN)/python benchmarks/serve.py
 	$(BIN)/python benchmarks/smol.py
 	$(BIN)/python benchmarks/rl_gain.py
+	$(BIN)/python benchmarks/opd.py
 	$(BIN)/python benchmarks/peer_rl.py
 	$(BIN)/python benchmarks/stack.py
 

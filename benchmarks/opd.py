@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[3, 4, 5])
     parser.add_argument("--arms", nargs="+", choices=["sft", "rl", "opd"], default=["sft", "rl", "opd"])
     # the OPD run: the pipeline's rl section with these changes (chosen on seeds 0-2: see the README)
-    parser.add_argument("--objective", choices=["opd", "reward+opd"], default="opd")
+    parser.add_argument("--objective", choices=["opd", "reward+opd"], default="reward+opd")
     parser.add_argument("--opd-steps", type=int, default=40)
     parser.add_argument("--opd-lr", type=float, default=1e-4)
     parser.add_argument("--opd-tasks", type=int, default=24, help="tasks per step")
