@@ -1,26 +1,36 @@
-"""SmolLM2-135M-Instruct (the `smol` pipeline's student): the SFT stage and the harness against bare loops.
+"""SmolLM2-135M-Instruct on the support desk (the `support-smol` pipeline's student): its speed on a CPU, each part
+measured side by side with the bare loop it stands in for.
 
-    .venv/bin/python benchmarks/smol.py [--steps 8] [--batch-size 8] [--conversations 128] [--tasks 32]
-                                        [--repeats 2] [--quick]
+    .venv/bin/python benchmarks/smol.py [--steps 6] [--tasks 16] [--repeats 2] [--quick]
 
-Needs the smol extra (`make smol-setup`). On oracle calculator conversations, with pipelines.yaml's `smol.sft`
-(LoRA, merged on save) for --steps steps, times end to end, loading the GGUF to the saved checkpoint, alternating
-and keeping each one's best: (a) flywheel.train.sft.train_sft and (b) the smallest TRL script that trains the
-same (SFTTrainer with assistant_only_loss on the same training template, the same LoRA, merged and saved).
-`sft_ratio` = stage / bare tokens per second (non-padding tokens, as both trainers count them).
+Needs the smol extra (`make smol-setup`). On the oracle's support conversations, rendered as the pipeline renders
+them (its compact tool template) and with its `sft` section (LoRA, its precision, its batch size):
 
-Then generation with the trained student on --tasks held-out-style tasks, greedy: (c) the harness
-(flywheel.agent.run_episodes with the hf policy: template, parsing, tool calls, the next turn) and (d) a bare
-`generate` loop over exactly the prompts the harness sent, turn by turn in the same batches. `generate_ratio` =
-harness / bare generated tokens per second. The last line is one JSON object; `ratio` is sft_ratio.
-`--quick`: 1 step of 2 conversations (of 4) and 2 tasks, one run each side (what the tests run: it checks that
-the benchmark works, its figures mean little).
+- load: the GGUF file de-quantised into an empty cache (FLYWHEEL_GGUF_CACHE, a temporary folder here) and then
+  loaded a second time from that cache (`load_first_s`, `load_cached_s`).
+- SFT: (a) the stage, flywheel.train.sft.train_sft, for --steps steps (tokens/s of its steps, as its log reports
+  them), against (b) a bare PyTorch loop: the same model and LoRA, the stage's own tokenized examples in batches
+  of the same size padded to their longest, AdamW, forward and backward under the same autocast. `sft_ratio` =
+  stage / bare; `padding_share` = padded positions / all positions of the bare batches (sorting by length would
+  save at most that). The bare loop runs again in fp32 on the same batches from the same start:
+  `bf16_speedup` and the largest per-step loss difference (`bf16_max_loss_diff`); and in bf16 with one thread
+  (`one_thread_tokens_per_s`) against two, the choice the stages make.
+- generation: the trained student's greedy episodes on --tasks held-out tasks through the harness
+  (flywheel.agent.run_episodes with the hf policy: template, parsing, tool calls, the next turn) against a bare
+  `generate` loop over exactly the prompts the harness sent, turn by turn in the same batches. `generate_ratio` =
+  harness / bare generated tokens per second.
+
+Each side keeps its best of --repeats runs, alternating which goes first. The last line is one JSON object.
+`--quick`: 1 step of batch 2, 2 tasks, one run each side (what the tests run: it checks that the benchmark works,
+its figures mean little).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import sys
 import tempfile
 import time
@@ -28,61 +38,102 @@ from itertools import islice
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PIPELINE = "support-smol"
 
 
-def rows_and_tasks(conversations: int, tasks: int):
-    """Oracle-solved conversations to train on, and other tasks to generate on (another seed)."""
+def rows_and_tasks(cfg, conversations: int, tasks: int):
+    """The oracle's train conversations (train seed) and held-out-style tasks (another seed) of the pipeline's env."""
     from flywheel.agent import run_episodes
-    from flywheel.envs.calculator import CalculatorEnv
+    from flywheel.envs import load_environment
     from flywheel.policies.oracle import OraclePolicy
 
-    env = CalculatorEnv()
-    episodes = run_episodes(env, OraclePolicy(env), list(islice(env.generate_tasks(0), conversations)))
+    env = load_environment(cfg.environment, ROOT)
+    episodes = run_episodes(env, OraclePolicy(env), list(islice(env.generate_tasks(0), conversations)),
+                            max_turns=cfg.environment.max_turns)
     return env, [{"messages": e.messages, "tools": env.tools()} for e in episodes], \
         list(islice(env.generate_tasks(1), tasks))
 
 
-def bare_trl(student: str, rows: list[dict], out: Path, sft) -> tuple[int, float]:
-    """The plain recipe: transformers' gguf_file load, TRL SFTTrainer with LoRA, merge, save."""
-    started = time.perf_counter()
-    import datasets
-    import torch
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PrinterCallback
-    from trl import SFTConfig, SFTTrainer
+def timed_load(student: str, cache: Path) -> tuple[float, float]:
+    """Seconds to load the GGUF into an empty de-quantisation cache, then again from it."""
+    from flywheel.checkpoints import GGUF_CACHE_ENV, load_student
 
-    from flywheel.checkpoints import gguf_file
-    from flywheel.train.templates import SMOLLM2_TRAINING_TEMPLATE
-
-    file = gguf_file(student)
-    tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-    tokenizer.chat_template = SMOLLM2_TRAINING_TEMPLATE  # assistant_only_loss needs the markers
-    model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True))
-    data = datasets.Dataset.from_list([{"messages": r["messages"], "tools": json.dumps(r["tools"])} for r in rows])
-    args = SFTConfig(output_dir=str(out / "checkpoints"), max_steps=sft.steps,
-                     per_device_train_batch_size=sft.batch_size, learning_rate=sft.lr, lr_scheduler_type="cosine",
-                     warmup_steps=sft.warmup_steps, seed=sft.seed, max_length=sft.max_length,
-                     assistant_only_loss=True, use_cpu=True, bf16=False, gradient_checkpointing=False,
-                     activation_checkpointing=False, save_strategy="no", report_to="none", disable_tqdm=True,
-                     include_num_input_tokens_seen="non_padding", logging_steps=sft.log_every)
-    lora = LoraConfig(r=sft.lora.r, lora_alpha=sft.lora.alpha, lora_dropout=sft.lora.dropout,
-                      target_modules=sft.lora.target_modules, task_type="CAUSAL_LM")
-    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, peft_config=lora)
-    trainer.remove_callback(PrinterCallback)
-    trainer.train()
-    trainer.model.merge_and_unload().save_pretrained(str(out / "model"))
-    tokenizer.save_pretrained(str(out / "model"))
-    return int(trainer.state.num_input_tokens_seen), time.perf_counter() - started
+    os.environ[GGUF_CACHE_ENV] = str(cache)
+    seconds = []
+    for _ in range(2):
+        started = time.perf_counter()
+        load_student(student)
+        seconds.append(time.perf_counter() - started)
+    return seconds[0], seconds[1]
 
 
-def stage(student: str, rows: list[dict], out: Path, sft) -> tuple[int, float]:
-    """flywheel's train_sft: tokens trained and wall seconds for the whole call."""
+def stage(student: str, rows: list[dict], out: Path, sft, template: Path) -> dict:
+    """flywheel's train_sft; tokens/s over its training steps (its own log: the load and the save left out)."""
     from flywheel.train.sft import train_sft
 
     started = time.perf_counter()
-    result = train_sft(student, rows, out / "sft", sft, on_log=lambda step, metrics: None, device="cpu")
-    return result["tokens"], time.perf_counter() - started
+    result = train_sft(student, rows, out / "sft", sft, on_log=lambda step, metrics: None, chat_template=template,
+                       device="cpu")
+    return {"tokens": result["tokens"], "tokens_per_s": result["tokens_per_s"], "loss": result["train_loss"],
+            "wall_s": time.perf_counter() - started}
+
+
+def bare_batches(student: str, rows: list[dict], sft, template: Path) -> tuple[list, float]:
+    """The stage's own tokenized examples, shuffled by its seed, in batches of its size padded to their longest;
+    and the share of padded positions."""
+    import torch
+
+    from flywheel.checkpoints import load_student
+    from flywheel.train.sft import sft_records, tokenize_records
+
+    _, tokenizer = load_student(student)
+    text = template.read_text()
+    examples = tokenize_records(tokenizer, sft_records(rows), sft, text).train
+    random.Random(sft.seed).shuffle(examples)
+    batches, padded, positions = [], 0, 0
+    for i in range(sft.steps):
+        chunk = [examples[(i * sft.batch_size + j) % len(examples)] for j in range(sft.batch_size)]
+        width = max(len(e["input_ids"]) for e in chunk)
+        ids = torch.full((len(chunk), width), tokenizer.pad_token_id or 0)
+        labels = torch.full((len(chunk), width), -100)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, example in enumerate(chunk):
+            n = len(example["input_ids"])
+            ids[row, :n], labels[row, :n], mask[row, :n] = (torch.tensor(example["input_ids"]),
+                                                            torch.tensor(example["labels"]), 1)
+        batches.append((ids, labels, mask))
+        padded, positions = padded + int((mask == 0).sum()), positions + mask.numel()
+    return batches, padded / positions
+
+
+def bare_loop(student: str, batches: list, sft, precision: str, threads: int) -> dict:
+    """A plain PyTorch LoRA loop over the batches: tokens/s of the steps after the first, and each step's loss."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from flywheel.checkpoints import load_student
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(sft.seed)
+    model, _ = load_student(student)
+    model = get_peft_model(model, LoraConfig(r=sft.lora.r, lora_alpha=sft.lora.alpha, lora_dropout=sft.lora.dropout,
+                                             target_modules=sft.lora.target_modules, task_type="CAUSAL_LM"))
+    model.train()
+    optimiser = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=sft.lr)
+    losses, tokens, started = [], 0, time.perf_counter()
+    for step, (ids, labels, mask) in enumerate(batches):
+        if step == 1:  # the first step warms the allocator and the kernels: timed from the second on
+            tokens, started = 0, time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimiser.step()
+        optimiser.zero_grad()
+        losses.append(float(loss))
+        tokens += int(mask.sum())
+    seconds = time.perf_counter() - started
+    torch.set_num_threads(2)
+    return {"tokens_per_s": tokens / seconds if len(batches) > 1 else 0.0, "losses": losses}
 
 
 def harness(env, model, tokenizer, tasks, max_new_tokens: int, max_turns: int):
@@ -127,15 +178,11 @@ def bare_generate(model, tokenizer, tools, turns, max_new_tokens: int) -> tuple[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--conversations", type=int, default=128)
-    parser.add_argument("--tasks", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--tasks", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=None, help="default: the smol pipeline's sft.batch_size")
     parser.add_argument("--quick", action="store_true", help="the same on tiny sizes (what the tests run)")
     args = parser.parse_args()
-    if args.quick:
-        args.steps, args.batch_size, args.conversations, args.tasks, args.repeats = 1, 2, 4, 2, 1
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -144,25 +191,40 @@ def main() -> None:
     from flywheel.policies.toolcalls import canonical_messages
 
     torch.set_num_threads(2)
-    cfg = load_pipeline("smol", ROOT / "pipelines.yaml")
-    sft = cfg.sft.model_copy(update={"steps": args.steps, "eval_fraction": 0.0,
-                                     "batch_size": args.batch_size or cfg.sft.batch_size})
-    env, rows, tasks = rows_and_tasks(args.conversations, args.tasks)
+    cfg = load_pipeline(PIPELINE, ROOT / "pipelines.yaml")
+    sft = cfg.sft.model_copy(update={"steps": 1 if args.quick else args.steps, "eval_fraction": 0.0,
+                                     "batch_size": 2 if args.quick else cfg.sft.batch_size, "warmup_steps": 0})
+    tasks, repeats = (2, 1) if args.quick else (args.tasks, args.repeats)
+    template = ROOT / cfg.student.chat_template
+    student = cfg.student.model
+    env, rows, tasks = rows_and_tasks(cfg, sft.steps * sft.batch_size, tasks)
     with tempfile.TemporaryDirectory(prefix="bench-smol-") as tmp:
-        best, tokens = {"stage": 0.0, "bare": 0.0}, {}
-        for i in range(args.repeats):
-            order = (("bare", bare_trl), ("stage", stage))
-            for name, run in order if i % 2 == 0 else order[::-1]:  # neither always goes first
-                n, seconds = run(cfg.student.model, rows, Path(tmp) / f"{name}-{i}", sft)
-                tokens[name] = n
-                best[name] = max(best[name], n / seconds)
-                print(f"sft {name:5s} run {i}: {n} tokens in {seconds:.1f}s = {n / seconds:.1f} tokens/s", flush=True)
+        load_first, load_cached = timed_load(student, Path(tmp) / "gguf-cache")
+        print(f"load: {load_first:.1f}s into an empty cache, {load_cached:.1f}s from it", flush=True)
+        batches, padding = bare_batches(student, rows, sft, template)
+        best = {"stage": 0.0, "bare": 0.0}
+        losses = {}
+        for i in range(repeats):
+            for name in ("bare", "stage") if i % 2 == 0 else ("stage", "bare"):  # neither always goes first
+                if name == "stage":
+                    result = stage(student, rows, Path(tmp) / f"stage-{i}", sft, template)
+                else:
+                    result = bare_loop(student, batches, sft, sft.precision, threads=2)
+                    losses[sft.precision] = result["losses"]
+                best[name] = max(best[name], result["tokens_per_s"])
+                print(f"sft {name:5s} run {i}: {result['tokens_per_s']:.1f} tokens/s", flush=True)
+        other = "fp32" if sft.precision == "bf16" else "bf16"
+        contrast = bare_loop(student, batches, sft, other, threads=2)
+        losses[other] = contrast["losses"]
+        one_thread = bare_loop(student, batches, sft, sft.precision, threads=1)
+        print(f"sft bare {other}: {contrast['tokens_per_s']:.1f} tokens/s; {sft.precision} on one thread: "
+              f"{one_thread['tokens_per_s']:.1f}; losses bf16 {losses['bf16']} fp32 {losses['fp32']}", flush=True)
 
         model, tokenizer = load_student(Path(tmp) / "stage-0" / "sft")
         max_new, turns_cap = cfg.rl.max_new_tokens, cfg.environment.max_turns
         harness(env, model, tokenizer, tasks[:2], max_new, turns_cap)  # warm-up: the first calls are slower
         gen = {"harness": 0.0, "bare": 0.0}
-        for i in range(args.repeats):
+        for i in range(repeats):
             n, seconds, turns, episodes = harness(env, model, tokenizer, tasks, max_new, turns_cap)
             gen["harness"] = max(gen["harness"], n / seconds)
             prompts = [[canonical_messages(m) for m in turn] for turn in turns]
@@ -170,13 +232,19 @@ def main() -> None:
             gen["bare"] = max(gen["bare"], bare_n / bare_s)
             print(f"generate run {i}: harness {n} tokens in {seconds:.1f}s, bare {bare_n} tokens in {bare_s:.1f}s; "
                   f"passed {sum(e.passed for e in episodes)}/{len(episodes)}", flush=True)
-    print(json.dumps({"benchmark": "smol", "steps": args.steps, "batch_size": sft.batch_size,
-                      "sft_tokens": tokens["stage"], "stage_tokens_per_s": round(best["stage"], 1),
-                      "bare_trl_tokens_per_s": round(best["bare"], 1),
-                      "ratio": round(best["stage"] / best["bare"], 3),
-                      "harness_tokens_per_s": round(gen["harness"], 1),
-                      "bare_generate_tokens_per_s": round(gen["bare"], 1),
-                      "generate_ratio": round(gen["harness"] / gen["bare"], 3)}))
+    bf16, fp32 = (best["bare"], contrast["tokens_per_s"]) if sft.precision == "bf16" else \
+        (contrast["tokens_per_s"], best["bare"])
+    print(json.dumps({
+        "benchmark": "smol", "pipeline": PIPELINE, "steps": sft.steps, "batch_size": sft.batch_size,
+        "precision": sft.precision, "stage_tokens_per_s": round(best["stage"], 1),
+        "bare_torch_tokens_per_s": round(best["bare"], 1), "sft_ratio": round(best["stage"] / best["bare"], 3)
+        if best["bare"] else None, "padding_share": round(padding, 3),
+        "bf16_speedup": round(bf16 / fp32, 2) if fp32 else None,
+        "bf16_max_loss_diff": round(max(abs(a - b) for a, b in zip(losses["bf16"], losses["fp32"], strict=True)), 4),
+        "one_thread_tokens_per_s": round(one_thread["tokens_per_s"], 1),
+        "load_first_s": round(load_first, 1), "load_cached_s": round(load_cached, 2),
+        "harness_tokens_per_s": round(gen["harness"], 1), "bare_generate_tokens_per_s": round(gen["bare"], 1),
+        "generate_ratio": round(gen["harness"] / gen["bare"], 3)}))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from flywheel import registry
 from flywheel.config import load_pipeline
 from flywheel.data import dvc
 from flywheel.stages import ORDER, StageResult
+from flywheel.train.students import StudentChoice, resolve_student
 from tasks.spec import STAGES, output_hashes
 
 
@@ -32,18 +33,19 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
     """
     root_path = Path(root).resolve()
     cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")  # a bad config fails here, before any work
+    cfg, student = resolve_student(cfg, root_path)  # `student.model: auto` picked once, as every stage picks it
     if stage_jobs is not None and set(ORDER) - set(stage_jobs):
         raise ValueError(f"stage_jobs has no job variables for {sorted(set(ORDER) - set(stage_jobs))}: give "
                          "every stage its own ({} for the pool's defaults)")
     flow_run_id = str(runtime.flow_run.id or "")
     with pipeline_lock(root_path, pipeline, flow_run_id, wait) as holding:
-        return _stages(pipeline, root_path, cfg, refresh, push, list(restored or []), tags, promote, stage_jobs,
-                       flow_run_id, holding)
+        return _stages(pipeline, root_path, cfg, student, refresh, push, list(restored or []), tags, promote,
+                       stage_jobs, flow_run_id, holding)
 
 
-def _stages(pipeline: str, root_path: Path, cfg, refresh: bool, push: bool, restored: list[str],
-            tags: dict[str, str] | None, promote: bool, stage_jobs: dict[str, dict] | None, flow_run_id: str,
-            holding: Holding) -> dict:
+def _stages(pipeline: str, root_path: Path, cfg, student: StudentChoice, refresh: bool, push: bool,
+            restored: list[str], tags: dict[str, str] | None, promote: bool, stage_jobs: dict[str, dict] | None,
+            flow_run_id: str, holding: Holding) -> dict:
     use_dvc = dvc.is_repo(root_path)
     parent = registry.start_run(root_path, pipeline, "retrain", tags={
         "prefect.flow_run_id": flow_run_id, "flywheel.refresh": refresh,
@@ -92,7 +94,7 @@ def _stages(pipeline: str, root_path: Path, cfg, refresh: bool, push: bool, rest
     except BaseException:
         parent.end(ok=False)
         raise
-    summary = _summary(pipeline, results, ran, restored) | {"run_id": parent.run_id}
+    summary = _summary(pipeline, results, ran, restored) | {"run_id": parent.run_id, "student": student.line()}
     parent.metrics({k: v for k, v in summary["scores"].items()})
     parent.tags({"flywheel.gate": "passed" if summary["gate_passed"] else "failed",
                  "flywheel.registered_version": summary["version"]})

@@ -72,6 +72,7 @@ USER_ERRORS = (
     "flywheel.serving.loop.LoopError", "flywheel.serving.server.ServeError", "flows.deployments.DeployError",
     "flows.stage.StageJobError", "flows.runlock.PipelineBusy", "flows.stack.StackError",
     "flywheel.train.rl.teacher.OPDSetupError", "flywheel.train.rl.opd.NonFiniteTeacher",
+    "flywheel.train.context.ContextError",
 )
 _RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where Prefect reports a failed flow or task run
 
@@ -198,7 +199,8 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yam
         cfg = load_pipeline(pipeline, root / "pipelines.yaml")
     except ConfigError as err:
         _fail(str(err))
-    _check_environments(root, {pipeline: cfg})
+    built = _check_environments(root, {pipeline: cfg})
+    _check_contexts(root, {pipeline: cfg}, built)
     from flows.retrain import retrain
 
     started = time.monotonic()
@@ -462,6 +464,7 @@ def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipe
         _fail(f"{root / 'pipelines.yaml'}: no pipeline '{pipeline}' (pipelines: {', '.join(sorted(pipelines))})")
     chosen = pipelines if pipeline is None else {pipeline: pipelines[pipeline]}
     built = _check_environments(root, chosen)
+    _check_contexts(root, chosen, built)
     _check_teachers(root, chosen)
     stale = _stale_dvc_yaml(root)
     if stale:
@@ -515,6 +518,28 @@ def _check_teachers(root: Path, pipelines: dict) -> None:
             load_student(folder)
         except CheckpointError as err:
             _fail(f"{root / 'pipelines.yaml'}: pipelines.{name}.rl.opd.teacher: {err}")
+
+
+def _check_contexts(root: Path, pipelines: dict, built: dict) -> None:
+    """Each pipeline's student (`auto` resolved, and installed when it picks SmolLM2) against its environment's
+    prompts: a prompt and a turn's tokens, or a max_length, over the student's context is an error naming the
+    lengths and the keys, before any stage trains (flywheel/train/context.py)."""
+    from flywheel.checkpoints import CheckpointError
+    from flywheel.config import ConfigError
+    from flywheel.train.context import ContextError, check_fit
+    from flywheel.train.students import require_installed, resolve_student
+
+    for name, cfg in pipelines.items():
+        try:
+            resolved, choice = resolve_student(cfg, root.resolve())
+            require_installed(choice)
+            notes = check_fit(name, resolved, built[name], root.resolve())
+        except (ConfigError, CheckpointError, ContextError) as err:
+            _fail("\n".join(f"{root / 'pipelines.yaml'}: pipelines.{name}: {line}" for line in str(err).splitlines()))
+        if choice.auto:
+            typer.echo(f"  pipelines.{name}: student {choice.line()}")
+        for note in notes:
+            typer.secho(f"  warning: pipelines.{name}: {note}", fg=typer.colors.YELLOW)
 
 
 def _check_environments(root: Path, pipelines: dict) -> dict:
@@ -821,6 +846,8 @@ def _print_summary(summary: dict, root: Path, seconds: float) -> None:
         console.print(reference_line(name, ref))
     for warning in summary.get("warnings", []):
         console.print(f"[yellow]warning:[/] {warning}")
+    if summary.get("student"):  # older summaries lack it
+        console.print(f"student: {summary['student']}")
     champion = f"champion is version {summary['champion']}" if summary["champion"] else "no champion yet"
     console.print(f"registered: {summary['pipeline']} version {summary['version']} "
                   f"(aliases: {', '.join(summary['aliases']) or 'none'}); {champion}")

@@ -29,6 +29,7 @@ from flywheel.data.catalog import Catalog
 from flywheel.envs import load_environment
 from flywheel.registry import Run, stage_run
 from flywheel.stages import ORDER, StageResult
+from flywheel.train.students import resolve_student
 from tasks.caching import by_content
 from tasks.spec import output_hashes
 
@@ -80,11 +81,14 @@ class StageContext:
 @contextmanager
 def stage_context(name: str, pipeline: str, root: str | Path, parent_run_id: str | None,
                   params: tuple[str, ...] = ()) -> Iterator[StageContext]:
-    """Load the pipeline's config once and open the stage's MLflow run (config sections `params` logged as its
-    params), nested under `parent_run_id`; the run ends FAILED if the stage raises."""
+    """Load the pipeline's config once, `student.model: auto` resolved, and open the stage's MLflow run (config
+    sections `params` logged as its params, with which student and why), nested under `parent_run_id`; the run
+    ends FAILED if the stage raises."""
     root_path = Path(root).resolve()
-    cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")
+    cfg, student = resolve_student(load_pipeline(pipeline, root_path / "pipelines.yaml"), root_path)
     logged = cfg.model_dump(include=set(params)) if params else {}
+    if "student" in logged:
+        logged["student"]["chosen"] = student.line()
     with stage_run(root_path, pipeline, name, parent_run_id, logged) as run:
         yield StageContext(name, pipeline, root_path, cfg, Catalog(root_path, pipeline), run)
 

@@ -16,6 +16,7 @@ from flywheel.data.catalog import content_hash
 from flywheel.data.sources import local_files
 from flywheel.envs import environment_sources
 from flywheel.stages import ORDER
+from flywheel.train.students import resolve_student
 
 PACKAGE_ROOT = Path(flywheel.__file__).resolve().parent.parent
 
@@ -155,6 +156,8 @@ def input_key(stage: str, pipeline: str, root: Path, cfg: PipelineConfig | None 
     """The content of a stage's inputs, config sections and code: equal keys mean equal work."""
     spec = STAGES[stage]
     cfg = cfg or load_pipeline(pipeline, root / "pipelines.yaml")
+    if "student" in spec.config:  # the student `auto` picks, not the word: another pick is other work
+        cfg, _ = resolve_student(cfg, root)
     parts = [stage, pipeline, content_hash(spec.dep_paths(root, pipeline, cfg), root),
              cfg.section_hash(*spec.config), code_hash(spec)]
     if stage == "sft" and is_gguf(cfg.student.model):

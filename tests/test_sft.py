@@ -82,9 +82,27 @@ def test_long_conversations_are_cut_or_dropped_and_counted(tiny_student, rows):
     dropped = tokenize_records(tokenizer, records, small(max_length=limit, eval_fraction=0.0,
                                                          long_conversations="drop"), template)
     assert dropped.counts["dropped_long"] == longer and len(dropped.train) == len(rows) - longer
-    # a cut that leaves no assistant token is dropped and counted; none left at all is an error, not a no-op
-    with pytest.raises(ValueError, match="no SFT conversation left.*'dropped_no_target': 64"):
+    # a cut that leaves no assistant token is dropped and counted; none left at all is an error, not a no-op, and
+    # it names the setting that helps: truncating already, only a max_length above the prompt does
+    prompt = max(encode_conversation(tokenizer, r["messages"], r["tools"], 1 << 20)[1].index(1) for r in rows)
+    with pytest.raises(ValueError, match="no SFT conversation left.*'dropped_no_target': 64") as err:
         tokenize_records(tokenizer, records, small(max_length=16, eval_fraction=0.0), template)
+    assert str(err.value).endswith(f"64 conversation(s) were cut at sft.max_length 16 before their first assistant "
+                                   f"token, leaving nothing to learn: raise sft.max_length above the longest prompt "
+                                   f"before a first assistant token, {prompt} tokens")
+    assert "long_conversations" not in str(err.value)
+    # dropping long ones left none: truncating helps where every prompt fits, else only a longer max_length
+    shortest = min(lengths) - 1
+    assert prompt < shortest
+    with pytest.raises(ValueError, match=r"'dropped_long': 64.*\(sft.long_conversations: drop\): set "
+                                         rf"sft.long_conversations: truncate to train on their first {shortest} "
+                                         r"tokens, or raise sft.max_length$"):
+        tokenize_records(tokenizer, records, small(max_length=shortest, eval_fraction=0.0, long_conversations="drop"),
+                         template)
+    with pytest.raises(ValueError, match=rf"drop\): raise sft.max_length above the longest prompt before a first "
+                                         rf"assistant token, {prompt} tokens \(truncating at 16 would keep no"):
+        tokenize_records(tokenizer, records, small(max_length=16, eval_fraction=0.0, long_conversations="drop"),
+                         template)
 
 
 def test_heldout_slice_is_by_content_and_gives_an_eval_loss(tiny_student, rows, tmp_path):

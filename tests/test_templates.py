@@ -4,6 +4,7 @@ Qwen- and Llama-style checkpoints built here), a configured one, or a clear erro
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from family_students import FAMILIES, build_family_student, calculator_rows
@@ -159,3 +160,30 @@ def test_smollm2_template_gets_the_shipped_training_variant_and_masks_each_assis
     answers = [m["content"] + "".join(render_tool_call(c) for c in m.get("tool_calls") or []) + "<|im_end|>"
                for m in row["messages"] if m["role"] == "assistant"]
     assert trained.replace(" ", "") == "".join(answers).replace(" ", "")
+
+
+COMPACT = Path(__file__).resolve().parents[1] / "templates" / "smollm2-compact-tools.jinja"
+
+
+@pytest.mark.parametrize("generation_prompt", [False, True])
+def test_the_compact_tools_template_renders_what_smollm2s_training_variant_does_but_one_line_a_tool(
+        generation_prompt):
+    from flywheel.envs.support import make_env
+    from flywheel.train.templates import SMOLLM2_TRAINING_TEMPLATE
+
+    compact = COMPACT.read_text()
+    assert training_template(None, "smol", configured=COMPACT) == compact  # accepted as student.chat_template
+    assert _render(compact, PLAIN_CONVERSATIONS, generation_prompt=generation_prompt) == \
+        _render(SMOLLM2_TRAINING_TEMPLATE, PLAIN_CONVERSATIONS, generation_prompt=generation_prompt)
+
+    env = make_env()
+    task = next(env.generate_tasks(0))
+    [text] = _render(compact, [task.prompt], tools=env.tools(), generation_prompt=generation_prompt)
+    [full] = _render(SMOLLM2_TRAINING_TEMPLATE, [task.prompt], tools=env.tools(), generation_prompt=generation_prompt)
+    listed = text[text.index("You can call these tools:\n"):].splitlines()[1:8]
+    assert listed[0] == "find_user(email): Find a user by email."
+    assert listed[4] == "change_shipping(order_id, speed: standard|express): Change an order's shipping speed."
+    assert [line.partition("(")[0] for line in listed] == [t["function"]["name"] for t in env.tools()]
+    # the rest, from how to call a tool on, is the training variant's text
+    assert text[text.index("\nTo call a tool"):] == full[full.index("\nTo call a tool"):]
+    assert len(text) < len(full) / 2

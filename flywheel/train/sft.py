@@ -119,12 +119,14 @@ def tokenize_records(tokenizer, records: list[dict], cfg: SFTConfig, chat_templa
     """Token ids and assistant-only labels, the RL learner's tokenisation; long ones cut or dropped, counted."""
     examples = Examples(counts={"conversations": len(records), "truncated": 0, "dropped_long": 0,
                                 "dropped_no_target": 0})
+    longest_prompt = 0  # tokens before a conversation's first assistant token, the longest: what max_length must pass
     for i, record in enumerate(records):
         try:
             ids, mask = encode_conversation(tokenizer, record["messages"], json.loads(record["tools"]) or None,
                                             max_length=1 << 30, chat_template=chat_template)
         except ValueError as err:
             raise ValueError(f"SFT row {i}: {err}") from err
+        longest_prompt = max(longest_prompt, mask.index(1))
         if len(ids) > cfg.max_length:
             if cfg.long_conversations == "drop":
                 examples.counts["dropped_long"] += 1
@@ -138,9 +140,27 @@ def tokenize_records(tokenizer, records: list[dict], cfg: SFTConfig, chat_templa
         (examples.heldout if is_heldout(record, cfg.eval_fraction) else examples.train).append(example)
     examples.counts |= {"train_examples": len(examples.train), "eval_examples": len(examples.heldout)}
     if not examples.train:
-        raise ValueError(f"no SFT conversation left to train on: {examples.counts} (raise sft.max_length, or "
-                         "set sft.long_conversations: truncate)")
+        raise ValueError(f"no SFT conversation left to train on: {examples.counts}: "
+                         f"{_why_none_left(examples.counts, cfg, longest_prompt)}")
     return examples
+
+
+def _why_none_left(counts: dict[str, int], cfg: SFTConfig, longest_prompt: int) -> str:
+    """What emptied the training set, and the setting that brings conversations back."""
+    if counts["dropped_long"]:  # long_conversations: drop
+        left_out = (f"{counts['dropped_long']} conversation(s) longer than sft.max_length {cfg.max_length} were left "
+                    "out (sft.long_conversations: drop)")
+        if longest_prompt < cfg.max_length:  # every prompt fits: the cut keeps an answer of each
+            return (f"{left_out}: set sft.long_conversations: truncate to train on their first {cfg.max_length} "
+                    "tokens, or raise sft.max_length")
+        return (f"{left_out}: raise sft.max_length above the longest prompt before a first assistant token, "
+                f"{longest_prompt} tokens (truncating at {cfg.max_length} would keep no answer of it)")
+    if counts["dropped_no_target"]:
+        return (f"{counts['dropped_no_target']} conversation(s) were cut at sft.max_length {cfg.max_length} before "
+                f"their first assistant token, leaving nothing to learn: raise sft.max_length above the longest "
+                f"prompt before a first assistant token, {longest_prompt} tokens")
+    return (f"every conversation was held out for the eval loss (sft.eval_fraction {cfg.eval_fraction}): lower "
+            "sft.eval_fraction, or give SFT more conversations")
 
 
 def train_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTConfig,
@@ -253,8 +273,9 @@ def _training_args(cfg: SFTConfig, checkpoints: Path, on_cpu: bool, heldout: boo
         warmup_steps=cfg.warmup_steps, seed=cfg.seed, data_seed=cfg.seed, max_length=cfg.max_length,
         # labels are built by tokenize_records (assistant tokens only), so TRL neither re-tokenises nor re-masks
         assistant_only_loss=False, completion_only_loss=False, packing=False,
-        # TRL's defaults are for GPUs: bf16 and activation checkpointing on. Off here (fp32).
-        use_cpu=on_cpu, bf16=False, fp16=False, gradient_checkpointing=False,
+        # TRL's defaults are for GPUs: bf16 and activation checkpointing on. Here bf16 (autocast over fp32
+        # weights) only where sft.precision asks for it; checkpointing off.
+        use_cpu=on_cpu, bf16=cfg.precision == "bf16", fp16=False, gradient_checkpointing=False,
         activation_checkpointing=False, logging_steps=cfg.log_every,
         eval_strategy="steps" if heldout else "no", eval_steps=cfg.eval_every,
         # About five checkpoints a run, at most 100 steps apart: a killed run loses little.

@@ -60,14 +60,15 @@ CHAT_TEMPLATE = (
 )
 
 
-def render_conversation(messages: list[dict], tools: list[dict] | None) -> str:
-    """A conversation as the tiny student's chat template writes it (text, before tokenizing)."""
+def render_conversation(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = False) -> str:
+    """A conversation as the tiny student's chat template writes it (text, before tokenizing); with
+    add_generation_prompt, followed by the opening of the assistant's turn, as the student is prompted."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     from flywheel.policies.toolcalls import canonical_messages
 
     rendered, _ = render_jinja_template(conversations=[canonical_messages(messages)], tools=tools or None,
-                                        chat_template=CHAT_TEMPLATE)
+                                        chat_template=CHAT_TEMPLATE, add_generation_prompt=add_generation_prompt)
     return rendered[0]
 
 

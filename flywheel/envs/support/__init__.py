@@ -39,19 +39,25 @@ def task_from_messages(messages: list[dict], db_seed: int = 0) -> Task | None:
     return task_from_text(first, db_seed, NAME) if first else None
 
 
-def make_env(db_seed: int = 0, user: dict | None = None) -> Env:
+def make_env(db_seed: int = 0, user: dict | None = None, hard_fraction: float = 0.0) -> Env:
     """The support desk over the database of `db_seed` (tasks, tools, rubric and oracle all read that one).
 
+    `hard_fraction`: the share of generated tasks that are hard (slice "hard": 2-4 requests on different orders in
+    one message, 5-12 tool calls; an episode needs environment.max_turns of one more than its calls).
     `user`: a model that plays the customer after each answer (flywheel.envs.users.LLMUser's options: model,
     base_url, api_key_env, ...), from the task's request, until it says ###STOP###; pipelines.yaml:
     `environment: {name: support, args: {user: {model: ..., base_url: ...}}}`. None: the conversation ends at
     the agent's first answer."""
     from flywheel.envs.users import LLMUser
 
+    if isinstance(hard_fraction, bool) or not isinstance(hard_fraction, (int, float)) or \
+            not 0.0 <= hard_fraction < 1.0:
+        raise ValueError(f"environment.args.hard_fraction must be a number from 0 (no hard tasks) up to, not "
+                         f"including, 1 (the share of generated support tasks that are hard); got {hard_fraction!r}")
     return Env(
         name=NAME,
         tools=TOOLS,
-        tasks=functools.partial(generate, db_seed=db_seed, env=NAME),
+        tasks=functools.partial(generate, db_seed=db_seed, env=NAME, hard_fraction=float(hard_fraction)),
         # the reward is `resolved` alone; the parts are logged beside it (weight 0) to show what went wrong
         rewards=[Reward(resolved, weight=1.0), Reward(db_matches, weight=0.0), Reward(policy_kept, weight=0.0),
                  Reward(facts_stated, weight=0.0)],

@@ -2,7 +2,8 @@
 
 Each part is a reward function `f(task, messages, state) -> float` the SDK logs in the breakdown; `resolved`,
 the reward, is 1 only when all three hold: a wrong write, an extra write or a policy violation scores 0 however
-good the answer reads.
+good the answer reads. A hard task (several orders in one message) is scored the same way over all its writes;
+each of its orders' facts must be stated where the answer speaks of that order.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sqlite3
 import flywheel.envs.support.db as database
 from flywheel.contract import Task
 from flywheel.envs.support.solver import _text
+from flywheel.envs.support.tasks import SENTENCE
 from flywheel.envs.support.tools import BY_NAME, WRITES
 
 
@@ -80,12 +82,33 @@ def policy_kept(task: Task, messages: list[dict], state: sqlite3.Connection) -> 
 
 
 def facts_stated(task: Task, messages: list[dict], state: sqlite3.Connection) -> float:
-    """The share of the required facts the final answer states (each fact one of a few alternatives)."""
+    """The share of the required facts the final answer states (each fact one of a few alternatives).
+
+    A hard task's facts count only in the sentences about their own order (those naming it, and the ones after
+    that name no order): "W1 is pending. W2 is not one of your orders." does not answer the task where it is the
+    other way round."""
     text = (final_answer(messages) or "").lower()
-    required = json.loads(task.answer)["facts"]
+    answer = json.loads(task.answer)
+    required = answer["facts"]
     if not text or not required:
         return 0.0
-    return sum(any(alt.lower() in text for alt in alternatives) for alternatives in required) / len(required)
+    if "parts" not in answer:
+        return sum(any(alt.lower() in text for alt in alternatives) for alternatives in required) / len(required)
+    scopes = _scopes(text, [part["order_id"] for part in answer["parts"]])
+    stated = sum(any(alt.lower() in scopes[part["order_id"]] for alt in alternatives)
+                 for part in answer["parts"] for alternatives in part["facts"])
+    return stated / len(required)
+
+
+def _scopes(text: str, order_ids: list[str]) -> dict[str, str]:
+    """The sentences of an answer about each order: those naming it, and those after them that name no order."""
+    scopes = {oid: "" for oid in order_ids}
+    about: list[str] = []
+    for sentence in SENTENCE.split(text):
+        about = [oid for oid in order_ids if oid.lower() in sentence] or about
+        for oid in about:
+            scopes[oid] += " " + sentence
+    return scopes
 
 
 def resolved(task: Task, messages: list[dict], state: sqlite3.Connection) -> float:
