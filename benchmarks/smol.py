@@ -34,7 +34,7 @@ import random
 import sys
 import tempfile
 import time
-from itertools import islice
+from itertools import islice, pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,28 +54,47 @@ def rows_and_tasks(cfg, conversations: int, tasks: int):
         list(islice(env.generate_tasks(1), tasks))
 
 
-def timed_load(student: str, cache: Path) -> tuple[float, float]:
-    """Seconds to load the GGUF into an empty de-quantisation cache, then again from it."""
-    from flywheel.checkpoints import GGUF_CACHE_ENV, load_student
+LOAD = """
+import sys, time
+started = time.perf_counter()
+from flywheel.checkpoints import load_student
+imported = time.perf_counter()
+model, _ = load_student(sys.argv[1])
+total = sum(float(p.float().sum()) for p in model.parameters())  # every weight read, not only mapped
+print(time.perf_counter() - imported, imported - started)
+"""
 
-    os.environ[GGUF_CACHE_ENV] = str(cache)
+
+def timed_load(student: str, cache: Path) -> tuple[float, float]:
+    """Seconds to load the GGUF, each time in a fresh process (every weight read; the imports not counted), into
+    an empty de-quantisation cache and then again from it."""
+    import subprocess
+
+    from flywheel.checkpoints import GGUF_CACHE_ENV
+
+    env = os.environ | {GGUF_CACHE_ENV: str(cache)}
     seconds = []
     for _ in range(2):
-        started = time.perf_counter()
-        load_student(student)
-        seconds.append(time.perf_counter() - started)
+        ran = subprocess.run([sys.executable, "-c", LOAD, student], env=env, cwd=ROOT, capture_output=True,
+                             text=True, check=True)
+        seconds.append(float(ran.stdout.split()[-2]))
+    os.environ[GGUF_CACHE_ENV] = str(cache)  # the rest of the benchmark loads from the filled cache
     return seconds[0], seconds[1]
 
 
 def stage(student: str, rows: list[dict], out: Path, sft, template: Path) -> dict:
-    """flywheel's train_sft; tokens/s over its training steps (its own log: the load and the save left out)."""
+    """flywheel's train_sft, logging every step: tokens/s of the steps after the first, as the bare loop counts
+    (its log's per-step rate times the time between steps; the load and the save left out, checkpoints not)."""
     from flywheel.train.sft import train_sft
 
+    logged: list[tuple[float, float]] = []
     started = time.perf_counter()
-    result = train_sft(student, rows, out / "sft", sft, on_log=lambda step, metrics: None, chat_template=template,
-                       device="cpu")
-    return {"tokens": result["tokens"], "tokens_per_s": result["tokens_per_s"], "loss": result["train_loss"],
-            "wall_s": time.perf_counter() - started}
+    result = train_sft(student, rows, out / "sft", sft.model_copy(update={"log_every": 1}), chat_template=template,
+                       on_log=lambda step, m: logged.append((time.perf_counter(), m["tokens_per_s"])), device="cpu")
+    steady = [(now - before) * rate for (before, _), (now, rate) in pairwise(logged)]
+    seconds = logged[-1][0] - logged[0][0] if len(logged) > 1 else 0.0
+    return {"tokens": result["tokens"], "tokens_per_s": sum(steady) / seconds if seconds else 0.0,
+            "loss": result["train_loss"], "wall_s": time.perf_counter() - started}
 
 
 def bare_batches(student: str, rows: list[dict], sft, template: Path) -> tuple[list, float]:

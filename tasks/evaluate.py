@@ -122,7 +122,8 @@ def _arms(cfg: PipelineConfig, catalog: Catalog, pipeline: str, candidate_hash: 
     templates = _templates(catalog)
     prices = (cfg.evaluate.student_price_input_per_mtok, cfg.evaluate.student_price_output_per_mtok)
     students = [checkpoint_arm(label, path, batch_size=cfg.evaluate.batch_size, device=cfg.student.device,
-                               chat_template=templates.get(label), prices=prices) for label, path in models.items()]
+                               chat_template=templates.get(label), prices=prices, precision=cfg.evaluate.precision)
+                for label, path in models.items()]
     references = [reference_arm(r, root, cfg.evaluate.batch_size) for r in cfg.evaluate.references]
     return [null_arm(), *students, *references], champion.version if "champion" in models else None
 

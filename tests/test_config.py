@@ -75,7 +75,8 @@ def test_unreadable_files(tmp_path, text, expected):
 def test_missing_file_and_unknown_pipeline(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         load_pipelines(tmp_path / "nope.yaml")
-    with pytest.raises(ConfigError, match=r"no pipeline named 'prod' \(have: demo, replay, rl-lift, smol, support\)"):
+    with pytest.raises(ConfigError, match=r"no pipeline named 'prod' \(have: demo, replay, rl-lift, smol, support, "
+                                          r"support-smol\)"):
         load_pipeline("prod", _write(tmp_path, _demo()))
 
 

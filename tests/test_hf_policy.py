@@ -98,3 +98,50 @@ def test_runs_in_the_harness_and_restores_training_mode(tiny_student, env):
     assert model.training
     with pytest.raises(ValueError, match="tokenizer"):
         HFPolicy(model)
+
+
+def test_bf16_generates_under_autocast_with_finite_logprobs_and_the_weights_untouched(tiny_student, env, prompts):
+    bf16 = HFPolicy(tiny_student, batch_size=2, precision="bf16")
+    before = {k: v.clone() for k, v in bf16.model.state_dict().items()}
+    seen = []
+    hook = bf16.model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    try:
+        completions = bf16.generate(prompts, env.tools(), Sampling(temperature=0.0, max_new_tokens=8))
+    finally:
+        hook.remove()
+    assert seen and set(seen) == {torch.bfloat16}  # the matmuls ran in bf16
+    assert all(1 <= len(c.token_ids) == len(c.logprobs) for c in completions)
+    assert all(lp <= 0 and math.isfinite(lp) for c in completions for lp in c.logprobs)
+    after = bf16.model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    with pytest.raises(ValueError, match="precision: 'fp16'"):
+        HFPolicy(tiny_student, precision="fp16")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_opening_every_row_shares_is_read_once_and_changes_no_turn(tiny_student, env, prompts, monkeypatch,
+                                                                      temperature):
+    import flywheel.policies.hf as hf
+
+    system = {"role": "system", "content": "You are a careful assistant. " * 12}
+    shared = [[system, *p] for p in prompts]
+    policy = HFPolicy(tiny_student, batch_size=8)
+    sampling = Sampling(temperature=temperature, max_new_tokens=10, seed=3)
+    rows = [policy.tokenizer.apply_chat_template(p, tools=env.tools(), add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"] for p in shared]
+    assert hf._common_prefix(rows) >= hf.SHARED_PREFIX_MIN
+    calls = []
+    original = policy.model.forward
+    monkeypatch.setattr(policy.model, "forward", lambda *a, **k: calls.append(k["input_ids"].shape) or original(*a, **k))
+    once = policy.generate(shared, env.tools(), sampling)
+    assert calls[0][0] == 1 and calls[1][0] == len(prompts)  # the opening alone, then every row's rest
+    assert calls[1][1] < max(len(r) for r in rows) - hf._common_prefix(rows) + 1
+
+    monkeypatch.setattr(hf, "SHARED_PREFIX_MIN", 10 ** 6)  # the opening read again in every row
+    calls.clear()
+    whole = policy.generate(shared, env.tools(), sampling)
+    assert calls[0] == (len(prompts), max(len(r) for r in rows))
+    assert [c.token_ids for c in once] == [c.token_ids for c in whole]
+    assert [c.usage for c in once] == [c.usage for c in whole]
+    for a, b in zip(once, whole, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)

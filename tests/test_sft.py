@@ -50,6 +50,34 @@ def test_steps_lower_the_loss_and_the_saved_model_reloads(tiny_student, rows, tm
     assert model.config.vocab_size == len(tokenizer)
 
 
+def test_the_loss_is_the_models_own_and_token_accuracy_is_counted(tiny_student, rows, tmp_path):
+    import torch
+
+    trainer, _, _ = build_sft_trainer(tiny_student, rows, tmp_path / "sft", small(eval_fraction=0.0))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    trainer.model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+        logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    scored = labels != -100
+    by_hand = -torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    assert float(loss) == pytest.approx(float(by_hand[scored].mean()), rel=1e-4)
+    accuracy = ((logits[:, :-1].argmax(-1) == labels) & scored).sum() / scored.sum()
+    assert trainer._metrics["eval"]["mean_token_accuracy"] == [pytest.approx(float(accuracy))]
+
+
+def test_bf16_steps_run_under_autocast_and_save_fp32_weights(tiny_student, rows, tmp_path):
+    import torch
+
+    trainer, _, _ = build_sft_trainer(tiny_student, rows, tmp_path / "sft", small(precision="bf16"))
+    assert trainer.args.bf16 and not trainer.args.fp16
+    metrics = train_sft(tiny_student, rows, tmp_path / "sft", small(precision="bf16", eval_fraction=0.0))
+    assert metrics["steps"] == 8 and metrics["train_loss"] > 0
+    model, _ = load_student(tmp_path / "sft")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
 def test_a_killed_run_resumes_from_its_last_checkpoint(tiny_student, rows, tmp_path):
     def die_at_step_5(step, _):
         if step == 5:

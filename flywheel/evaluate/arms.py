@@ -42,11 +42,11 @@ def null_arm() -> Arm:
 
 
 def checkpoint_arm(label: str, path: Path, *, batch_size: int, device: str, chat_template: str | None = None,
-                   prices: tuple[float, float] = (0.0, 0.0), describe: str = "") -> Arm:
+                   prices: tuple[float, float] = (0.0, 0.0), describe: str = "", precision: str = "fp32") -> Arm:
     """A Hugging Face checkpoint folder, run with transformers (the students)."""
 
     def make() -> Policy:
-        policy = get_policy("hf", model_or_path=path, batch_size=batch_size, device=device)
+        policy = get_policy("hf", model_or_path=path, batch_size=batch_size, device=device, precision=precision)
         if chat_template:
             policy.tokenizer.chat_template = chat_template
         return policy

@@ -237,9 +237,9 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
     """The configured SFTTrainer (dataset tokenized, labels masked), the checkpoint to resume from, and counts."""
     import datasets
     from transformers import PrinterCallback
-    from trl import SFTTrainer
 
     from flywheel.train.sft_log import StepLog
+    from flywheel.train.sft_trainer import PlainLossSFTTrainer
 
     out_dir = Path(out_dir)
     if not rows:
@@ -255,10 +255,11 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
     checkpoints = out_dir.parent / "sft-checkpoints"
     resume = _resume_point(checkpoints, _fingerprint(base_dir, records, cfg, template))
     heldout = bool(examples.heldout)
-    trainer = SFTTrainer(model=model, args=_training_args(cfg, checkpoints, on_cpu, heldout),
-                         train_dataset=datasets.Dataset.from_list(examples.train),
-                         eval_dataset=datasets.Dataset.from_list(examples.heldout) if heldout else None,
-                         processing_class=tokenizer, callbacks=[StepLog(on_log)], peft_config=_peft_config(cfg))
+    trainer = PlainLossSFTTrainer(model=model, args=_training_args(cfg, checkpoints, on_cpu, heldout),
+                                  train_dataset=datasets.Dataset.from_list(examples.train),
+                                  eval_dataset=datasets.Dataset.from_list(examples.heldout) if heldout else None,
+                                  processing_class=tokenizer, callbacks=[StepLog(on_log)],
+                                  peft_config=_peft_config(cfg))
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; on_log is the one outlet
     return trainer, resume, examples.counts
 
