@@ -21,8 +21,8 @@ them (its compact tool template) and with its `sft` section (LoRA, its precision
   harness / bare generated tokens per second.
 
 Each side keeps its best of --repeats runs, alternating which goes first. The last line is one JSON object.
-`--quick`: 1 step of batch 2, 2 tasks, one run each side (what the tests run: it checks that the benchmark works,
-its figures mean little).
+`--quick`: 1 step of batch 2, 2 tasks of 2 turns of 16 tokens, one run each side, the GGUF from the user's cache
+(what the tests run: it checks that the benchmark works, its figures mean little).
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def rows_and_tasks(cfg, conversations: int, tasks: int):
 LOAD = """
 import sys, time
 started = time.perf_counter()
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from flywheel.checkpoints import load_student
 imported = time.perf_counter()
 model, _ = load_student(sys.argv[1])
@@ -66,8 +68,8 @@ print(time.perf_counter() - imported, imported - started)
 
 
 def timed_load(student: str, cache: Path) -> tuple[float, float]:
-    """Seconds to load the GGUF, each time in a fresh process (every weight read; the imports not counted), into
-    an empty de-quantisation cache and then again from it."""
+    """Seconds to load the GGUF, each time in a fresh process (every weight read; importing torch and transformers
+    not counted), into an empty de-quantisation cache and then again from it."""
     import subprocess
 
     from flywheel.checkpoints import GGUF_CACHE_ENV
@@ -205,7 +207,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from flywheel.checkpoints import load_student
+    from flywheel.checkpoints import gguf_cache_dir, load_student
     from flywheel.config import load_pipeline
     from flywheel.policies.toolcalls import canonical_messages
 
@@ -218,7 +220,9 @@ def main() -> None:
     student = cfg.student.model
     env, rows, tasks = rows_and_tasks(cfg, sft.steps * sft.batch_size, tasks)
     with tempfile.TemporaryDirectory(prefix="bench-smol-") as tmp:
-        load_first, load_cached = timed_load(student, Path(tmp) / "gguf-cache")
+        # --quick loads from the user's cache (filled once): a fresh de-quantisation is the full form's figure
+        cache = gguf_cache_dir() if args.quick else Path(tmp) / "gguf-cache"
+        load_first, load_cached = timed_load(student, cache)
         print(f"load: {load_first:.1f}s into an empty cache, {load_cached:.1f}s from it", flush=True)
         batches, padding = bare_batches(student, rows, sft, template)
         best = {"stage": 0.0, "bare": 0.0}
@@ -240,7 +244,7 @@ def main() -> None:
               f"{one_thread['tokens_per_s']:.1f}; losses bf16 {losses['bf16']} fp32 {losses['fp32']}", flush=True)
 
         model, tokenizer = load_student(Path(tmp) / "stage-0" / "sft")
-        max_new, turns_cap = cfg.rl.max_new_tokens, cfg.environment.max_turns
+        max_new, turns_cap = (16, 2) if args.quick else (cfg.rl.max_new_tokens, cfg.environment.max_turns)
         harness(env, model, tokenizer, tasks[:2], max_new, turns_cap)  # warm-up: the first calls are slower
         gen = {"harness": 0.0, "bare": 0.0}
         for i in range(repeats):

@@ -393,8 +393,8 @@ class SFTConfig(Section):
     eval_every: int = Field(100, ge=1)
     lora: LoRAConfig | None = None  # None: full fine-tuning (the default for small students)
     # bf16: forward and backward under bfloat16 autocast (weights, gradients and optimiser state stay fp32). On
-    # a CPU with native bf16 (AVX-512 BF16 or AMX) a LoRA step of SmolLM2 runs ~2.5x faster at a loss within
-    # ~0.03 of fp32's (benchmarks/smol.py); elsewhere it is emulated and slower: keep fp32 there.
+    # a CPU with native bf16 (AVX-512 BF16 or AMX) a LoRA step of SmolLM2 runs 2.1x faster, its loss within 0.04
+    # of fp32's (benchmarks/smol.py); elsewhere bf16 is emulated and slower: keep fp32 there.
     precision: Literal["fp32", "bf16"] = "fp32"
     # "single": in this process; "ddp"/"fsdp": `accelerate launch` with infra/accelerate/<launcher>.yaml.
     launcher: Literal["single", "ddp", "fsdp"] = "single"

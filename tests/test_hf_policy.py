@@ -132,7 +132,12 @@ def test_an_opening_every_row_shares_is_read_once_and_changes_no_turn(tiny_stude
     assert hf._common_prefix(rows) >= hf.SHARED_PREFIX_MIN
     calls = []
     original = policy.model.forward
-    monkeypatch.setattr(policy.model, "forward", lambda *a, **k: calls.append(k["input_ids"].shape) or original(*a, **k))
+
+    def forward(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(policy.model, "forward", forward)
     once = policy.generate(shared, env.tools(), sampling)
     assert calls[0][0] == 1 and calls[1][0] == len(prompts)  # the opening alone, then every row's rest
     assert calls[1][1] < max(len(r) for r in rows) - hf._common_prefix(rows) + 1
