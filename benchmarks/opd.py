@@ -28,6 +28,7 @@ from itertools import islice
 from pathlib import Path
 
 import numpy as np
+from rl_gain import by_slice, scores  # benchmarks/ is the script's folder, first on sys.path
 from transformers.utils import logging as hf_logging
 
 from flywheel.agent import run_episodes
@@ -35,7 +36,6 @@ from flywheel.config import OPDConfig, TinyModelConfig, load_pipeline
 from flywheel.envs import load_environment
 from flywheel.evaluate.stats import paired_bootstrap
 from flywheel.policies.base import Sampling
-from flywheel.policies.hf import HFPolicy
 from flywheel.policies.oracle import OraclePolicy
 from flywheel.train.rl.loop import train_rl
 from flywheel.train.rl.monitor import Monitor, audit_sample
@@ -44,18 +44,6 @@ from flywheel.train.tiny import build_tiny_student, environment_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 DONE = "benchmark-done.json"  # beside a checkpoint this benchmark built: reuse it
-
-
-def scores(env, path: Path, tasks, max_turns: int) -> dict[str, float]:
-    """Greedy reward per held-out task id."""
-    episodes = run_episodes(env, HFPolicy(path, batch_size=64), tasks, sampling=Sampling(temperature=0.0),
-                            max_turns=max_turns)
-    return {e.task.task_id: float(e.reward) for e in episodes}
-
-
-def by_slice(rewards: dict[str, float], tasks) -> dict[str, float]:
-    slices = sorted({t.slice for t in tasks})
-    return {s: round(float(np.mean([rewards[t.task_id] for t in tasks if t.slice == s])), 4) for s in slices}
 
 
 def built(folder: Path, build) -> dict:

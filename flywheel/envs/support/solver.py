@@ -90,13 +90,9 @@ def solve(messages: list[dict], state: sqlite3.Connection | None = None) -> dict
         return _solve_hard(requests, messages, state)
     request = requests[0]
     results = tool_results(messages)
-    if "find_user" not in results:
-        return _call("find_user", email=request.email)
-    user = _parsed(results["find_user"])
-    if user is None:
-        return _say(f"I could not find a user with the email {request.email}.")
-    if "list_orders" not in results:
-        return _call("list_orders", user_id=user["user_id"])
+    step = _identify(request.email, results)
+    if step is not None:
+        return step
     listed = _parsed(results["list_orders"])
     owned = listed is not None and request.order_id in listed.get("orders", [])
     if not owned:
@@ -114,11 +110,9 @@ def solve(messages: list[dict], state: sqlite3.Connection | None = None) -> dict
     return _say(decision["reply"])
 
 
-def _solve_hard(requests: list[Request], messages: list[dict], state: sqlite3.Connection | None) -> dict:
-    """The next step on a message with several requests: the user, their orders, each of theirs looked up, every
-    allowed write in the message's order, then one answer stating what the policy says about each order."""
-    results = tool_results(messages)
-    email = requests[0].email
+def _identify(email: str, results: dict[str, str]) -> dict | None:
+    """The policy's first two steps, find_user by the email and then list_orders: the next one still to take (or
+    the answer when the email is unknown), None once both are done."""
     if "find_user" not in results:
         return _call("find_user", email=email)
     user = _parsed(results["find_user"])
@@ -126,6 +120,16 @@ def _solve_hard(requests: list[Request], messages: list[dict], state: sqlite3.Co
         return _say(f"I could not find a user with the email {email}.")
     if "list_orders" not in results:
         return _call("list_orders", user_id=user["user_id"])
+    return None
+
+
+def _solve_hard(requests: list[Request], messages: list[dict], state: sqlite3.Connection | None) -> dict:
+    """The next step on a message with several requests: the user, their orders, each of theirs looked up, every
+    allowed write in the message's order, then one answer stating what the policy says about each order."""
+    results = tool_results(messages)
+    step = _identify(requests[0].email, results)
+    if step is not None:
+        return step
     listed = _parsed(results["list_orders"])
     owned = set(listed.get("orders", [])) if listed else set()
     answered = tool_calls(messages)
