@@ -56,8 +56,18 @@ def test_the_loss_is_the_models_own_and_token_accuracy_is_counted(tiny_student, 
     trainer, _, _ = build_sft_trainer(tiny_student, rows, tmp_path / "sft", small(eval_fraction=0.0))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     trainer.model.eval()
+    asked, forward = [], trainer.model.forward
+
+    def recording(*args, **kwargs):
+        asked.append(set(kwargs))
+        return forward(*args, **kwargs)
+
+    trainer.model.forward = recording
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, dict(batch))
+    del trainer.model.forward
+    assert asked and not any("fused_lm_head" in kwargs for kwargs in asked)  # not TRL's chunked head
+    with torch.no_grad():
         logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     labels = batch["labels"][:, 1:]
     scored = labels != -100

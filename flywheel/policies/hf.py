@@ -118,7 +118,7 @@ class HFPolicy:
         return completions
 
 
-# Rows sharing an opening this long have it read once (a support desk prompt's first ~340 tokens are the policy
+# Rows sharing an opening this long have it read once (a support desk prompt's first ~310 tokens are the policy
 # and the tools); shorter ones are not worth a second forward pass.
 SHARED_PREFIX_MIN = 32
 
