@@ -156,3 +156,38 @@ def test_heldout_slice_is_by_content_and_gives_an_eval_loss(tiny_student, rows, 
     assert [step for step, m in logged if "eval_loss" in m] == [4, 8]
     assert metrics["eval_examples"] == sum(picked) and metrics["train_examples"] == len(rows) - sum(picked)
     assert metrics["eval_loss"] == [m for _, m in logged if "eval_loss" in m][-1]["eval_loss"]
+
+
+def test_a_shared_opening_is_read_once_with_the_same_loss_and_gradients(tiny_student, rows, tmp_path):
+    import torch
+
+    from flywheel.train.sft_trainer import shared_opening
+
+    from flywheel.envs.support import make_env
+
+    env = make_env(0)  # a long system prompt and four tools: an opening worth reading once
+    episodes = run_episodes(env, OraclePolicy(env), list(islice(env.generate_tasks(0), 6)), max_turns=6)
+    support = [{"messages": e.messages, "tools": env.tools()} for e in episodes]
+    trainer, _, _ = build_sft_trainer(tiny_student, support, tmp_path / "sft", small(eval_fraction=0.0,
+                                                                                     max_length=4096))
+    batch = dict(trainer.data_collator([trainer.train_dataset[i] for i in range(6)]))
+    opening = shared_opening(batch)
+    first_trained = int((batch["labels"] != -100).any(0).long().argmax())
+    assert 32 <= opening < first_trained  # the system prompt and the tools, never a trained token
+    model = trainer.model
+    model.train()
+    torch.manual_seed(0)
+    calls = []
+    forward = model.forward
+    model.forward = lambda *a, **k: calls.append(k["input_ids"].shape) or forward(*a, **k)
+    loss = trainer.compute_loss(model, dict(batch), num_items_in_batch=(batch["labels"][:, 1:] != -100).sum())
+    del model.forward
+    assert calls == [(1, opening), (6, batch["input_ids"].shape[1] - opening)]  # the opening once, then the rests
+    loss.backward()
+    shared = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    whole = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    whole.backward()
+    assert float(loss.detach()) == pytest.approx(float(whole.detach()), rel=1e-5)
+    assert shared and all(torch.allclose(shared[n], p.grad, rtol=1e-4, atol=1e-6)
+                          for n, p in model.named_parameters() if p.grad is not None)
