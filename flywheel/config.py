@@ -364,6 +364,10 @@ class SynthesizeConfig(Section):
     max_new_tokens: int = Field(512, ge=1)  # per assistant turn
     keep_best_only: bool = False  # accept at most one passing sample per task (highest reward, then shortest)
     include_accepted_traces: bool = False  # train traces with outcome 'accepted' become targets too
+    # Train tasks of these slices get no teacher conversation: SFT never sees them; they stay RL tasks and held-out
+    # slices. support-smol leaves out `hard` (several requests in one message): its conversations taught the
+    # student to call get_order again on the desk's single requests, and they were 27% of SFT's tokens.
+    exclude_slices: list[str] = Field(default_factory=list)
 
 
 class LoRAConfig(Section):

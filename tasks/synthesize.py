@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 
 from flywheel.agent import Episode, run_episodes
-from flywheel.config import TeacherConfig
-from flywheel.contract import Environment, prompt_hash
+from flywheel.config import ConfigError, TeacherConfig
+from flywheel.contract import Environment, Task, prompt_hash
 from flywheel.data.catalog import named_model
 from flywheel.data.tasksets import row_task
 from flywheel.policies import Policy, get_policy
@@ -37,7 +37,8 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
     with stage_context("synthesize", pipeline, root, parent_run_id, params=("teacher", "synthesize")) as stage:
         cfg, catalog, env = stage.cfg, stage.catalog, stage.env
         task_table = catalog.read("tasks")
-        tasks = [row_task(r) for r in task_table.to_dict("records") if r["split"] == "train"]
+        train = [row_task(r) for r in task_table.to_dict("records") if r["split"] == "train"]
+        tasks = without_slices(train, cfg.synthesize.exclude_slices)
         n = cfg.synthesize.samples_per_task
         sampling = Sampling(temperature=cfg.synthesize.temperature, top_p=cfg.synthesize.top_p,
                             max_new_tokens=cfg.synthesize.max_new_tokens, seed=cfg.environment.seed)
@@ -76,12 +77,24 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
                    "tasks_with_target_fraction": len({episodes[i].task.task_id for i in targets}) / max(len(tasks), 1),
                    "reward_mean": sum(r["reward"] for r in rows) / max(len(rows), 1),
                    "malformed_turns": sum(c.error is not None for e in episodes for c in e.completions),
-                   "traces_added": len(traces), "traces_accepted": sum(r["accepted"] for r in traces),
+                   "tasks_excluded": len(train) - len(tasks), "traces_added": len(traces),
+                   "traces_accepted": sum(r["accepted"] for r in traces),
                    **meter.totals(),
                    **{f"teacher_{k}": v for k, v in sorted(stats.items())},
                    "cost_usd_spent": meter.cost(stats.get("tokens_in", 0), stats.get("tokens_out", 0))}
         stage.run.metrics(metrics)
         return stage.done(metrics)
+
+
+def without_slices(tasks: list[Task], excluded: list[str]) -> list[Task]:
+    """The train tasks the teacher writes conversations for: all but synthesize.exclude_slices. A slice named
+    there that no train task has is a config error (a typo would otherwise exclude nothing, silently)."""
+    present = {t.slice for t in tasks}
+    unknown = sorted(set(excluded) - present)
+    if unknown:
+        raise ConfigError(f"synthesize.exclude_slices names {unknown}, but no train task is in that slice; the "
+                          f"train tasks' slices are {sorted(present)}")
+    return [t for t in tasks if t.slice not in excluded]
 
 
 def build_teacher(cfg: TeacherConfig, env: Environment, root: Path) -> Policy | None:

@@ -123,3 +123,37 @@ def test_token_logprobs_match_a_manual_gather():
         for t in range(1, 6):
             expected = torch.log_softmax(logits[b, t - 1], dim=-1)[ids[b, t]]
             assert got[b, t].item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_wanted_logprobs_read_the_shared_opening_once_with_the_same_values_and_gradients():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flywheel.train.opening import shared_opening
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                         max_position_embeddings=128, bos_token_id=None))
+    opening = torch.randint(0, 50, (40,))  # a system prompt every row starts with
+    ids = torch.cat([opening.expand(3, -1), torch.randint(0, 50, (3, 30))], dim=1)
+    attention = torch.ones_like(ids)
+    attention[1, 60:] = 0  # right padding
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:, 50:55] = True  # an assistant turn
+    mask[0, 62:68] = True
+    mask[2, 41:44] = True
+    mask &= attention.bool()
+    assert shared_opening(ids, mask, attention) == 40
+    calls = []
+    forward = model.forward
+    model.forward = lambda *a, **k: calls.append(tuple(k["input_ids"].shape)) or forward(*a, **k)
+    got = token_logprobs(model, ids, attention, temperature=0.7, wanted=mask)
+    del model.forward
+    assert calls == [(1, 40), (3, 30)]
+    (got * mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    whole = token_logprobs(model, ids, attention, temperature=0.7)
+    (whole * mask).sum().backward()
+    assert torch.allclose(got[mask], whole[mask], atol=1e-5) and (got[~mask] == 0).all()
+    assert all(torch.allclose(grads[n], p.grad, rtol=1e-4, atol=1e-6) for n, p in model.named_parameters())

@@ -87,9 +87,9 @@ def test_a_served_teacher_gives_the_local_teachers_step(tiny_student, teacher, t
         by_server = served.logprobs(batch)
         assert [b["model"] for b in server.received[1:]] == ["opd-teacher"] * len(batch["input_ids"])
     by_local = local.logprobs(batch)
-    real = batch["attention_mask"].bool()
-    assert torch.allclose(by_server[real], by_local[real], atol=1e-5)
-    assert (by_server[real][1:] != 0).any()
+    scored = batch["loss_mask"].bool()  # the student's tokens: the only ones the learner asks about
+    assert scored.any() and torch.allclose(by_server[scored], by_local[scored], atol=1e-5)
+    assert (by_server[scored] != 0).all() and (by_local[~scored] == 0).all()
 
     # SGD: Adam's first step is lr * sign(gradient), where float noise in a near-zero gradient flips a sign
     after = []

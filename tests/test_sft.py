@@ -161,9 +161,8 @@ def test_heldout_slice_is_by_content_and_gives_an_eval_loss(tiny_student, rows, 
 def test_a_shared_opening_is_read_once_with_the_same_loss_and_gradients(tiny_student, rows, tmp_path):
     import torch
 
-    from flywheel.train.sft_trainer import shared_opening
-
     from flywheel.envs.support import make_env
+    from flywheel.train.opening import shared_opening
 
     env = make_env(0)  # a long system prompt and four tools: an opening worth reading once
     episodes = run_episodes(env, OraclePolicy(env), list(islice(env.generate_tasks(0), 6)), max_turns=6)
@@ -171,7 +170,7 @@ def test_a_shared_opening_is_read_once_with_the_same_loss_and_gradients(tiny_stu
     trainer, _, _ = build_sft_trainer(tiny_student, support, tmp_path / "sft", small(eval_fraction=0.0,
                                                                                      max_length=4096))
     batch = dict(trainer.data_collator([trainer.train_dataset[i] for i in range(6)]))
-    opening = shared_opening(batch)
+    opening = shared_opening(batch["input_ids"], batch["labels"] != -100, batch["attention_mask"])
     first_trained = int((batch["labels"] != -100).any(0).long().argmax())
     assert 32 <= opening < first_trained  # the system prompt and the tools, never a trained token
     model = trainer.model

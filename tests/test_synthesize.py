@@ -186,3 +186,19 @@ def test_teacher_config_never_echoes_a_pasted_key(tmp_path):
     write_pipeline(tmp_path, {"policy": "openai", "api_key_env": KEY_ENV})
     with pytest.raises(ConfigError, match="teacher policy 'openai' needs 'model'"):
         load_pipelines(path)
+
+
+def test_excluded_slices_get_no_teacher_conversation_and_a_typo_is_an_error(root):
+    tasks = Catalog(root, "t").read("tasks")
+    train = tasks[tasks["split"] == "train"]
+    left_out = train["slice"].value_counts().index[0]  # the commonest train slice
+    write_pipeline(root, {"policy": "oracle"}, {"exclude_slices": [left_out]})
+    result = synthesize.fn("t", str(root))
+    table = Catalog(root, "t").read("synthetic")
+    slices = dict(zip(tasks["task_id"], tasks["slice"], strict=True))
+    assert len(table) == len(train) - (train["slice"] == left_out).sum() > 0
+    assert left_out not in {slices[t] for t in table["task_id"]}
+    assert result.metrics["tasks_excluded"] == (train["slice"] == left_out).sum()
+    write_pipeline(root, {"policy": "oracle"}, {"exclude_slices": ["hrad"]})
+    with pytest.raises(ConfigError, match=r"exclude_slices names \['hrad'\].*train tasks' slices are"):
+        synthesize.fn("t", str(root))

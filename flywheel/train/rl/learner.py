@@ -28,9 +28,10 @@ def learning_rate(cfg: RLConfig, step: int) -> float:
 @torch.no_grad()
 def batch_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int,
                    temperature: float = 1.0) -> torch.Tensor:
-    """token_logprobs of a whole batch without gradient, `chunk` sequences at a time."""
+    """token_logprobs of a whole batch's loss-mask tokens without gradient, `chunk` sequences at a time."""
     parts = [token_logprobs(model, batch["input_ids"][i:i + chunk], batch["attention_mask"][i:i + chunk],
-                            temperature) for i in range(0, len(batch["input_ids"]), chunk)]
+                            temperature, wanted=batch["loss_mask"][i:i + chunk] > 0)
+             for i in range(0, len(batch["input_ids"]), chunk)]
     return torch.cat(parts)
 
 
@@ -66,7 +67,7 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     for _ in range(cfg.epochs_per_batch):
         for idx in torch.randperm(n, generator=generator).split(cfg.minibatch_size):
             logprobs = token_logprobs(model, batch["input_ids"][idx], batch["attention_mask"][idx],
-                                      cfg.temperature)
+                                      cfg.temperature, wanted=batch["loss_mask"][idx] > 0)
             behaviour = batch["behaviour_logprobs"][idx] if "behaviour_logprobs" in batch else None
             loss, stats = policy_loss(
                 logprobs, old[idx], advantages[idx], batch["loss_mask"][idx], clip_eps=cfg.clip_eps,

@@ -11,11 +11,23 @@ LossType = Literal["grpo", "dr_grpo", "dapo"]
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
+                   temperature: float = 1.0, wanted: torch.Tensor | None = None) -> torch.Tensor:
     """Log-prob of each token given its prefix, [B, T]: position t holds log p(input_ids[t]); position 0 is 0.
 
     With a sampling temperature the log-probs are those of the tempered distribution the tokens came from.
+    wanted [B, T] (the loss mask): only those tokens' log-probs are worked out, the others are 0; the rows'
+    shared opening (system prompt, tools) is then read once and the LM head runs only where wanted
+    (flywheel/train/opening.py), the same numbers at a fraction of the positions.
     """
+    if wanted is not None:
+        from flywheel.train.opening import wanted_logits
+
+        wanted = wanted.bool().clone()
+        wanted[:, 0] = False
+        logits = wanted_logits(model, input_ids, attention_mask, wanted)
+        picked = F.log_softmax(logits.float() / temperature, dim=-1).gather(
+            -1, input_ids[wanted].unsqueeze(-1)).squeeze(-1)
+        return torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device).masked_scatter(wanted, picked)
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
     # float32 for the softmax: bf16 log-probs are too coarse for ratios near 1.
     logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)

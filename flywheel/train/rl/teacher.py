@@ -74,12 +74,13 @@ class LocalTeacher:
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """log p_teacher(token t | tokens before t) for every position of the batch, [B, T]; position 0 is 0."""
+        """log p_teacher(token t | tokens before t) at the batch's loss-mask positions, [B, T]; 0 elsewhere."""
         from flywheel.train.rl.loss import token_logprobs
 
-        ids, attention = batch["input_ids"], batch["attention_mask"]
+        ids, attention, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"] > 0
         parts = [token_logprobs(self.model, ids[i:i + self.chunk].to(self.device),
-                                attention[i:i + self.chunk].to(self.device)).cpu()
+                                attention[i:i + self.chunk].to(self.device),
+                                wanted=mask[i:i + self.chunk].to(self.device)).cpu()
                  for i in range(0, len(ids), self.chunk)]
         return torch.cat(parts)
 
