@@ -282,6 +282,23 @@ def test_a_slice_every_model_scores_the_same_on_is_refused():
     assert d.numbers["flat_slices"] == {"mul": 0.0}
     assert decide(table(candidate, SLICES), None, cfg(min_score=0.0, margin=0.0, check_flat_slices=False),
                   baselines=baselines(sft=np.r_[np.full(100, 0.5), np.zeros(100)])).passed
+    report_only = decide(table(candidate, SLICES), None, cfg(min_score=0.0, margin=0.0, report_only_slices=["mul"]),
+                         baselines=baselines(sft=np.r_[np.full(100, 0.5), np.zeros(100)]))
+    assert report_only.passed and report_only.refusals == []
+    assert "slice 'mul': every model scores 0.0000 (gate.report_only_slices: reported, not judged)" \
+        in report_only.reasons
+
+
+def test_a_report_only_slice_may_regress_and_still_counts_overall():
+    champion = np.r_[np.full(100, 0.6), np.full(100, 0.5)]
+    candidate = np.r_[np.full(100, 0.9), np.full(100, 0.3)]  # 'mul' down 0.2, the whole up 0.05
+    assert not decide(table(candidate, SLICES), table(champion, SLICES), cfg(margin=0.0, min_score=0.0)).passed
+    d = decide(table(candidate, SLICES), table(champion, SLICES),
+               cfg(margin=0.0, min_score=0.0, report_only_slices=["mul"]))
+    assert d.passed and d.numbers["slices"]["mul"]["delta"] == pytest.approx(-0.2)
+    assert d.numbers["candidate"]["score"] == pytest.approx(0.6)  # the slice's tasks stay in the overall score
+    typo = decide(table(candidate, SLICES), None, cfg(min_score=0.0, report_only_slices=["mull"]))
+    assert "gate.report_only_slices names ['mull'], but no held-out task is in that slice" in typo.reasons
 
 
 def test_missing_baselines_fail_closed_and_none_given_is_said():

@@ -122,6 +122,9 @@ def _measurable(candidate: pd.DataFrame, champion: pd.DataFrame | None,
     and the flat-slice check over every model, are not applied (the note says so).
     """
     refusals, notes = [], []
+    unknown = sorted(set(cfg.report_only_slices) - set(candidate["slice"]))
+    if unknown:  # a typo would judge the slice it meant: say so beside the decision
+        notes.append(f"gate.report_only_slices names {unknown}, but no held-out task is in that slice")
     tasks = int(candidate["task_id"].nunique())
     if cfg.min_tasks and tasks < cfg.min_tasks:
         refusals.append(f"only {tasks} held-out tasks, fewer than gate.min_tasks {cfg.min_tasks}: an interval over "
@@ -139,7 +142,7 @@ def _measurable(candidate: pd.DataFrame, champion: pd.DataFrame | None,
         refusals += _ceiling_rule(own, baselines.get("base"), cfg, numbers, notes)
     if cfg.check_flat_slices:
         models = {"candidate": candidate, **({} if champion is None else {"champion": champion}), **baselines}
-        refusals += _flat_slices(models, numbers, notes)
+        refusals += _flat_slices(models, numbers, notes, cfg.report_only_slices)
     return refusals, notes
 
 
@@ -188,12 +191,17 @@ def _ceiling_rule(own: pd.Series, base: pd.DataFrame | None, cfg: GateConfig, nu
             f"cannot clear gate.margin {cfg.margin} whatever the candidate does"]
 
 
-def _flat_slices(models: dict[str, pd.DataFrame], numbers: dict, notes: list[str]) -> list[str]:
-    """Slices on which every model scored has the same mean reward: they cannot tell models apart."""
+def _flat_slices(models: dict[str, pd.DataFrame], numbers: dict, notes: list[str],
+                 report_only: list[str]) -> list[str]:
+    """Slices on which every model scored has the same mean reward: they cannot tell models apart (a
+    report-only slice is noted, not refused)."""
     means = pd.DataFrame({label: frame.groupby("slice")["reward"].mean() for label, frame in models.items()})
     flat = {str(name): float(row.iloc[0]) for name, row in means.dropna().iterrows()
             if row.max() - row.min() <= _TOLERANCE}
     numbers["flat_slices"] = flat
+    for name in [n for n in flat if n in report_only]:
+        notes.append(f"slice '{name}': every model scores {flat.pop(name):.4f} (gate.report_only_slices: reported, "
+                     "not judged)")
     if not flat:
         notes.append(f"every slice tells the models apart ({', '.join(models)})")
         return []
@@ -269,7 +277,7 @@ def _champion_rules(candidate: pd.DataFrame, champion: pd.DataFrame, cfg: GateCo
         slices[str(name)] = {"candidate": cand, "champion": champ, "delta": cand - champ, "rows": len(rows)}
     numbers["slices"] = slices
     regressed = {name: s["delta"] for name, s in slices.items()
-                 if s["delta"] < -cfg.max_slice_regression - _TOLERANCE}
+                 if s["delta"] < -cfg.max_slice_regression - _TOLERANCE and name not in cfg.report_only_slices}
     if regressed:
         passed = False
         for name, delta in regressed.items():
