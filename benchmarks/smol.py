@@ -109,8 +109,8 @@ def bare_batches(student: str, rows: list[dict], sft, template: Path) -> tuple[l
     import torch
 
     from flywheel.checkpoints import load_student
+    from flywheel.train.opening import shared_opening
     from flywheel.train.sft import sft_records, tokenize_records
-    from flywheel.train.sft_trainer import shared_opening
 
     _, tokenizer = load_student(student)
     text = template.read_text()
@@ -129,7 +129,7 @@ def bare_batches(student: str, rows: list[dict], sft, template: Path) -> tuple[l
                                                             torch.tensor(example["labels"]), 1)
         batches.append((ids, labels, mask))
         padded, positions = padded + int((mask == 0).sum()), positions + mask.numel()
-        once += shared_opening({"input_ids": ids, "labels": labels, "attention_mask": mask}) * (len(chunk) - 1)
+        once += shared_opening(ids, labels != -100, mask) * (len(chunk) - 1)
     return batches, padded / positions, once / (positions - padded)
 
 

@@ -287,6 +287,7 @@ def test_a_slice_every_model_scores_the_same_on_is_refused():
     assert report_only.passed and report_only.refusals == []
     assert "slice 'mul': every model scores 0.0000 (gate.report_only_slices: reported, not judged)" \
         in report_only.reasons
+    assert "every other slice tells the models apart (candidate, null, base, sft)" in report_only.reasons
 
 
 def test_a_report_only_slice_may_regress_and_still_counts_overall():

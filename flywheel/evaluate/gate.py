@@ -199,11 +199,12 @@ def _flat_slices(models: dict[str, pd.DataFrame], numbers: dict, notes: list[str
     flat = {str(name): float(row.iloc[0]) for name, row in means.dropna().iterrows()
             if row.max() - row.min() <= _TOLERANCE}
     numbers["flat_slices"] = flat
-    for name in [n for n in flat if n in report_only]:
+    unjudged = [n for n in flat if n in report_only]
+    for name in unjudged:
         notes.append(f"slice '{name}': every model scores {flat.pop(name):.4f} (gate.report_only_slices: reported, "
                      "not judged)")
     if not flat:
-        notes.append(f"every slice tells the models apart ({', '.join(models)})")
+        notes.append(f"every {'other ' if unjudged else ''}slice tells the models apart ({', '.join(models)})")
         return []
     return [f"slice '{name}': every model ({', '.join(models)}) scores {value:.4f}, so it cannot tell them apart"
             for name, value in flat.items()]
