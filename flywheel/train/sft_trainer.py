@@ -25,6 +25,7 @@ class PlainLossSFTTrainer(SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["labels"]
         wanted = labels != -100
+        wanted[:, 0] = False  # nothing predicts a row's first token: the model's own loss skips its label too
         extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "labels")}
         if extra:
             raise ValueError(f"the SFT batch has inputs this trainer does not pass on: {sorted(extra)}")
