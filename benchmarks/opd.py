@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/opd.py [--pipeline rl-lift] [--seeds 3 4 5] [--arms sft rl opd]
                                        [--opd-steps N] [--opd-lr X] [--opd-tasks N] [--opd-group N]
-                                       [--kl-coef X] [--objective opd|reward+opd] [--workdir DIR] [--quick]
+                                       [--kl-coef X] [--objective opd|reward+opd]
+                                       [--divergence sampled|reverse|forward] [--workdir DIR] [--quick]
 
 The pipeline's loop without orchestration, per seed, as benchmarks/rl_gain.py runs it: the tiny student built
 (seeded), the pipeline's imperfect teacher synthesising SFT data, SFT; then from the SFT checkpoint the
@@ -97,6 +98,7 @@ def improve(pipeline, env, train, heldout, sft: Path, out: Path, rl_cfg) -> dict
             "trained_tokens": int(summary.get("trained_tokens", 0)), "updates": int(summary.get("updates", 0)),
             "reward_hacking": summary.get("reward_hacking"),
             **{k: round(float(summary[k]), 4) for k in ("teacher_kl_first", "teacher_kl_last",
+                                                        "teacher_divergence_first", "teacher_divergence_last",
                                                         "validation_pass_first", "validation_pass_best")
                if k in summary},
             **({"best_version": summary["best_version"]} if "best_version" in summary else {})}
@@ -150,6 +152,8 @@ def main() -> None:
     parser.add_argument("--opd-tasks", type=int, default=24, help="tasks per step")
     parser.add_argument("--opd-group", type=int, default=4, help="samples per task")
     parser.add_argument("--kl-coef", type=float, default=1.0)
+    parser.add_argument("--divergence", choices=["sampled", "reverse", "forward"], default="sampled",
+                        help="rl.opd.divergence: sampled (an advantage per token) or exact over the vocabulary")
     parser.add_argument("--teacher-steps", type=int, default=1000)
     parser.add_argument("--workdir", type=Path, help="where models go and are reused (default: a temporary folder)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: 5 SFT steps, 2 RL/OPD steps, 48 tasks")
@@ -160,7 +164,7 @@ def main() -> None:
     pipeline = load_pipeline(args.pipeline, args.config)
     opd = {"steps": args.opd_steps, "lr": args.opd_lr, "tasks_per_step": args.opd_tasks,
            "group_size": args.opd_group, "objective": args.objective, "difficulty_filter": False,
-           "opd": OPDConfig(teacher="(built below)", kl_coef=args.kl_coef)}
+           "opd": OPDConfig(teacher="(built below)", kl_coef=args.kl_coef, divergence=args.divergence)}
     teacher_steps, n_train, n_heldout = args.teacher_steps, pipeline.environment.train_tasks, \
         pipeline.environment.heldout_tasks
     if args.quick:
@@ -189,7 +193,8 @@ def main() -> None:
                           "teacher_build_s": info["build_s"],
                           "opd_config": opd_rl.model_dump(include={"objective", "steps", "lr", "tasks_per_step",
                                                                    "group_size", "epochs_per_batch", "temperature",
-                                                                   "keep_best"}) | {"kl_coef": args.kl_coef}}),
+                                                                   "keep_best"})
+                          | {"kl_coef": args.kl_coef, "divergence": args.divergence}}),
               flush=True)
 
     lines = []

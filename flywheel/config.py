@@ -406,15 +406,21 @@ class SFTConfig(Section):
 
 
 class OPDConfig(Section):
-    """On-policy distillation (rl.objective opd or reward+opd): a teacher's log-probabilities of the tokens the
-    student sampled give every token an advantage, -kl_coef * (log p_student - log p_teacher)."""
+    """On-policy distillation (rl.objective opd or reward+opd): the teacher judges every token the student wrote.
+    `sampled`: its log-probability of the sampled token gives that token the advantage -kl_coef * (log p_student
+    - log p_teacher); `reverse` / `forward`: kl_coef times the exact KL over the vocabulary is a loss term."""
 
     # A checkpoint folder (under the project root, or absolute) whose tokenizer is the student's; with base_url,
     # the model name a server over the OpenAI protocol serves (vLLM: its completions API with prompt_logprobs).
     teacher: str
     base_url: str | None = None
     api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")  # the variable's NAME, never the key
-    kl_coef: float = Field(1.0, gt=0)  # the weight of the per-token reverse KL to the teacher
+    kl_coef: float = Field(1.0, gt=0)  # the weight of the per-token divergence from the teacher
+    # sampled: the reverse KL estimated at the token the student sampled, as that token's advantage (any teacher);
+    # reverse / forward: the exact KL(student || teacher) / KL(teacher || student) over the whole vocabulary at
+    # each position the student wrote, a loss term beside the policy loss (a local checkpoint only: a server
+    # gives the sampled token's log-probability, not the distribution)
+    divergence: Literal["sampled", "reverse", "forward"] = "sampled"
     reward_coef: float = Field(1.0, ge=0)  # reward+opd: the weight of the group advantage of the task reward
     device: str = Field("auto", pattern=DEVICE_PATTERN)  # a local teacher's (the learner runs it)
     # server: retried like the teacher's client (429, 5xx, timeouts); past the retries the step's groups are
@@ -426,6 +432,16 @@ class OPDConfig(Section):
     # a token whose teacher log-probability is NaN or infinite leaves the loss (counted); past this share of
     # the run's tokens the run stops with an error
     max_nonfinite_fraction: float = Field(0.01, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _whole_distribution_is_local(self) -> OPDConfig:
+        if self.divergence != "sampled" and self.base_url:
+            raise ValueError(
+                f"divergence '{self.divergence}' takes the teacher's whole distribution at every token, which only "
+                f"a local checkpoint gives; the server at {self.base_url} returns the log-probability of the token "
+                "the student sampled (prompt_logprobs). Use divergence: sampled with a server, or a checkpoint "
+                "folder as rl.opd.teacher without rl.opd.base_url")
+        return self
 
 
 class RLConfig(Section):

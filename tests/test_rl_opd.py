@@ -1,11 +1,13 @@
 """On-policy distillation (rl.objective opd, reward+opd): the per-token loss by hand, a local teacher and one
 served over HTTP (the test OpenAI server scoring prompt log-probabilities with the same checkpoint) giving the
 same learner step, tool results carrying no KL, resume, and the teacher's failures: another tokenizer, no
-log-probabilities, a server that dies mid-run, NaN log-probabilities."""
+log-probabilities, a server that dies mid-run, NaN log-probabilities. The exact divergences (rl.opd.divergence
+reverse, forward) by hand, against a plain forward pass, and as a run."""
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ from flywheel.train.rl.batch import collate, make_groups, samples_of
 from flywheel.train.rl.learner import learn_on_batch
 from flywheel.train.rl.loop import train_rl
 from flywheel.train.rl.loss import policy_loss
-from flywheel.train.rl.opd import NonFiniteTeacher, distill_advantages, with_teacher
+from flywheel.train.rl.opd import NonFiniteTeacher, distill_advantages, exact_divergence, with_teacher
 from flywheel.train.rl.teacher import LocalTeacher, OPDSetupError, ServerTeacher
 from flywheel.train.tiny import build_tiny_student, environment_corpus
 
@@ -131,9 +133,12 @@ def test_tool_results_and_prompts_carry_no_kl(tiny_student, teacher):
     assert all(torch.equal(after[0][k], after[1][k]) for k in after[0])
 
 
-def test_an_opd_run_logs_the_kl_and_resumes_to_the_same_weights(tiny_student, teacher, tasks, tmp_path):
+@pytest.mark.parametrize("divergence", ["sampled", "forward"])
+def test_an_opd_run_logs_the_kl_and_resumes_to_the_same_weights(tiny_student, teacher, tasks, tmp_path,
+                                                                divergence):
     cfg = CFG.model_copy(update={"steps": 4, "checkpoint_every": 1,
-                                 "opd": CFG.opd.model_copy(update={"teacher": str(teacher)})})
+                                 "opd": CFG.opd.model_copy(update={"teacher": str(teacher),
+                                                                   "divergence": divergence})})
     seen = []
     rows, summary = train_rl(tiny_student, CalculatorEnv(), tasks, cfg, tmp_path / "whole", max_turns=2,
                              checkpoint_dir=tmp_path / "whole-ck", on_step=lambda s, m: seen.append(m))
@@ -141,6 +146,11 @@ def test_an_opd_run_logs_the_kl_and_resumes_to_the_same_weights(tiny_student, te
     assert all(m["teacher_tokens"] > 0 and m["teacher_kl"] == m["teacher_kl"] for m in seen)
     assert summary["teacher_kl_first"] == seen[0]["teacher_kl"] and summary["teacher_failed_groups"] == 0
     assert all(r["advantage"] is None and not r["dropped"] for r in rows)  # no reward advantage under `opd`
+    if divergence == "forward":  # the exact KL is the loss's term, logged beside the sampled estimate
+        assert all(m["teacher_divergence"] > 0 for m in seen)
+        assert summary["teacher_divergence_first"] == seen[0]["teacher_divergence"]
+    else:
+        assert "teacher_divergence" not in seen[0]
 
     def stop(step, metrics):
         if step == 1:
@@ -223,9 +233,77 @@ def test_nan_logprobs_are_masked_and_counted_then_an_error(tiny_student, teacher
                 tmp_path / "rl2", max_turns=2)
 
 
+def test_exact_divergences_by_hand():
+    student_logits = torch.tensor([[0.0, 0.0], [1.0, -1.0]], requires_grad=True)
+    student = torch.log_softmax(student_logits, -1)
+    teacher = torch.log(torch.tensor([[0.9, 0.1], [0.5, 0.5]]))
+    forward = exact_divergence(student, teacher, "forward")
+    assert forward[0].item() == pytest.approx(0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5))
+    reverse = exact_divergence(student, teacher, "reverse")
+    assert reverse[0].item() == pytest.approx(0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1))
+    # the forward KL's gradient on the student's logits is p_student - p_teacher: the teacher's token pulled up
+    forward.sum().backward()
+    p = torch.softmax(student_logits.detach(), -1)
+    assert torch.allclose(student_logits.grad, p - teacher.exp(), atol=1e-6)
+    # a token the teacher rules out (-inf) leaves the reverse KL finite and large, the forward KL untouched
+    ruled_out = torch.tensor([[0.0, -math.inf]])
+    half = torch.log(torch.tensor([[0.5, 0.5]]))
+    assert 40 < exact_divergence(half, ruled_out, "reverse").item() < 60
+    assert exact_divergence(half, ruled_out, "forward").item() == pytest.approx(math.log(2))
+    with pytest.raises(ValueError, match="output vocabularies differ"):
+        exact_divergence(half, torch.zeros(1, 3), "forward")
+
+
+@pytest.mark.parametrize("kind", ["reverse", "forward"])
+def test_the_exact_divergence_is_taken_at_the_students_tokens_only(tiny_student, teacher, kind):
+    """The learner's loss term against a plain forward pass of both models over whole rows (no shared
+    opening, every position's logits): the mean over each row's student tokens, tool results left out."""
+    env = CalculatorEnv()
+    tokenizer = load_student(tiny_student)[1]
+    groups = make_groups(as_sampled(oracle_episodes(env, 3, 2), tokenizer, env.tools()), 2, tokenizer,
+                         env.tools(), 256, 0, 0)
+    batch = collate([s for g in groups for s in samples_of(g, [0.0] * len(g.rollouts))], tokenizer.pad_token_id)
+    batch, _ = with_teacher(batch, LocalTeacher(teacher, "cpu"))
+    cfg = CFG.model_copy(update={"epochs_per_batch": 1, "minibatch_size": 64,
+                                 "opd": CFG.opd.model_copy(update={"divergence": kind})})
+    student = load_student(tiny_student)[0]
+    with torch.no_grad():
+        logits = [load_student(path)[0](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                  for path in (tiny_student, teacher)]
+    s, t = (torch.log_softmax(x[:, :-1].float(), -1) for x in logits)
+    mask = batch["loss_mask"][:, 1:]
+    per_token = exact_divergence(s.reshape(-1, s.shape[-1]), t.reshape(-1, t.shape[-1]), kind).view(mask.shape)
+    expected = ((per_token * mask).sum(-1) / mask.sum(-1)).mean()
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.5)
+    stats = learn_on_batch(student, optimizer, batch, cfg, torch.Generator().manual_seed(0),
+                           teacher=LocalTeacher(teacher, "cpu"))
+    assert stats["teacher_divergence"] == pytest.approx(expected.item(), rel=1e-4)
+    # and a step down it: the same batch is nearer the teacher after
+    after = learn_on_batch(student, optimizer, batch, cfg, torch.Generator().manual_seed(0),
+                           teacher=LocalTeacher(teacher, "cpu"))
+    assert after["teacher_divergence"] < stats["teacher_divergence"]
+
+
+def test_a_teacher_that_is_the_student_gives_no_exact_divergence(tiny_student, tasks):
+    batch = _batch(tiny_student, tasks)
+    itself = LocalTeacher(tiny_student, "cpu")
+    batch, _ = with_teacher(batch, itself)
+    cfg = CFG.model_copy(update={"opd": CFG.opd.model_copy(update={"divergence": "reverse"})})
+    model = load_student(tiny_student)[0]
+    stats = learn_on_batch(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, cfg,
+                           torch.Generator().manual_seed(0), teacher=itself)
+    assert stats["teacher_divergence"] == pytest.approx(0.0, abs=1e-6) and stats["teacher_kl"] == 0.0
+    before = weights(load_student(tiny_student)[0])
+    assert all(torch.allclose(weights(model)[k], before[k], atol=1e-6) for k in before)
+
+
 def test_opd_config_errors():
     with pytest.raises(ValidationError, match="objective 'opd' needs rl.opd with a teacher"):
         RLConfig(objective="opd")
     with pytest.raises(ValidationError, match="group_size 1: objective 'reward'"):
         RLConfig(group_size=1)
     assert RLConfig(group_size=1, objective="opd", opd={"teacher": "models/t"}).opd.kl_coef == 1.0
+    # the whole distribution comes only from a local checkpoint
+    with pytest.raises(ValidationError, match="divergence 'forward' takes the teacher's whole distribution"):
+        OPDConfig(teacher="Qwen/Qwen3-8B", base_url="http://localhost:8000/v1", divergence="forward")
+    assert OPDConfig(teacher="models/t").divergence == "sampled"

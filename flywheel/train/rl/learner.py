@@ -7,8 +7,8 @@ import math
 import torch
 
 from flywheel.config import RLConfig
-from flywheel.train.rl.loss import k3_kl, policy_loss, token_logprobs
-from flywheel.train.rl.opd import distill_advantages
+from flywheel.train.rl.loss import aggregate, k3_kl, policy_loss, token_distributions, token_logprobs
+from flywheel.train.rl.opd import distill_advantages, exact_divergence
 
 _MAXIMA = ("ratio_max", "is_weight_max", "grad_norm_max")
 
@@ -37,12 +37,14 @@ def batch_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk
 
 def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
                    cfg: RLConfig, generator: torch.Generator,
-                   reference: torch.nn.Module | None = None) -> dict[str, float]:
+                   reference: torch.nn.Module | None = None, teacher=None) -> dict[str, float]:
     """cfg.epochs_per_batch passes of minibatch steps; the ratio is against the batch's starting weights.
 
     A batch with behaviour_logprobs (the actors' sampling logprobs) also gets truncated importance weights
     (cap cfg.tis_cap); with a reference model, a k3 KL penalty (cfg.kl_beta) towards it; with teacher_logprobs
-    (on-policy distillation), per-token advantages from the teacher (flywheel/train/rl/opd.py).
+    (on-policy distillation), per-token advantages from the teacher (flywheel/train/rl/opd.py), or under an
+    exact rl.opd.divergence the loss term kl_coef * KL over the vocabulary, the distributions from `teacher`
+    (a LocalTeacher) for each minibatch.
     """
     device = next(model.parameters()).device
     batch = {key: value.to(device) for key, value in batch.items()}  # collated on the CPU; learned where the model is
@@ -51,10 +53,15 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     ref = batch_logprobs(reference, batch, cfg.minibatch_size, cfg.temperature) if reference is not None else None
     extra: dict[str, float] = {}
     advantages = batch["advantages"]
+    exact = None  # an exact divergence to the teacher, a loss term of its own
     if "teacher_logprobs" in batch:  # on-policy distillation: per-token advantages against these old log-probs
         reward_coef = cfg.opd.reward_coef if cfg.objective == "reward+opd" else 0.0
+        exact = cfg.opd.divergence if cfg.opd.divergence != "sampled" else None
+        if exact and not hasattr(teacher, "distributions"):
+            raise ValueError(f"rl.opd.divergence '{exact}' needs the teacher's whole distributions: a local "
+                             f"checkpoint, not {getattr(teacher, 'name', teacher)}")
         advantages, extra = distill_advantages(old, batch["teacher_logprobs"], batch["loss_mask"],
-                                               batch["advantages"], cfg.opd.kl_coef, reward_coef)
+                                               batch["advantages"], 0.0 if exact else cfg.opd.kl_coef, reward_coef)
     if "behaviour_logprobs" in batch:
         # How far the learner's policy has moved from the one that sampled: the cost of staleness.
         mask = batch["loss_mask"]
@@ -66,13 +73,21 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     n = len(batch["input_ids"])
     for _ in range(cfg.epochs_per_batch):
         for idx in torch.randperm(n, generator=generator).split(cfg.minibatch_size):
-            logprobs = token_logprobs(model, batch["input_ids"][idx], batch["attention_mask"][idx],
-                                      cfg.temperature, wanted=batch["loss_mask"][idx] > 0)
+            ids, attention, wanted = batch["input_ids"][idx], batch["attention_mask"][idx], batch["loss_mask"][idx] > 0
+            logprobs, distributions = token_distributions(model, ids, attention, wanted, cfg.temperature)
             behaviour = batch["behaviour_logprobs"][idx] if "behaviour_logprobs" in batch else None
             loss, stats = policy_loss(
                 logprobs, old[idx], advantages[idx], batch["loss_mask"][idx], clip_eps=cfg.clip_eps,
                 loss_type=cfg.loss_type, max_length=cfg.max_length, behaviour_logprobs=behaviour,
                 tis_cap=cfg.tis_cap, ref_logprobs=None if ref is None else ref[idx], beta=cfg.kl_beta)
+            if exact:
+                divergence = exact_divergence(distributions, teacher.distributions(ids, attention, wanted), exact)
+                wanted[:, 0] = False  # as token_distributions reads it: a row's first token is never predicted
+                per_token = torch.zeros(ids.shape, dtype=divergence.dtype,
+                                        device=divergence.device).masked_scatter(wanted, divergence)
+                term = aggregate(per_token, batch["loss_mask"][idx], cfg.loss_type, cfg.max_length)
+                loss = loss + cfg.opd.kl_coef * term
+                stats["teacher_divergence"] = term.item()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

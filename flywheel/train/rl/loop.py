@@ -297,7 +297,8 @@ def _learn(model: torch.nn.Module, run: _Start, groups: list[Group], cfg: RLConf
                   "dropped, not trained on", flush=True)
             return advantages, {"teacher_failed_groups": len(groups)}, groups
         distill.budget.add(counts["teacher_tokens"], counts["teacher_nonfinite_tokens"], step)
-    stats = learn_on_batch(model, run.optimizer, batch, cfg, run.shuffle, run.reference)
+    stats = learn_on_batch(model, run.optimizer, batch, cfg, run.shuffle, run.reference,
+                           distill.teacher if distill is not None else None)
     return advantages, stats | counts | {"trained_tokens": int(batch["loss_mask"].sum())}, []
 
 
@@ -338,6 +339,8 @@ def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig
                     "teacher_logprob": stats.get("teacher_logprob", float("nan")),
                     **{key: stats.get(key, 0) for key in ("teacher_tokens", "teacher_nonfinite_tokens",
                                                           "teacher_failed_groups")}}
+        if "teacher_divergence" in stats:  # rl.opd.divergence reverse or forward: the exact KL, the loss's term
+            metrics["teacher_divergence"] = stats["teacher_divergence"]
     return metrics
 
 
@@ -362,6 +365,9 @@ def _summary(cfg: RLConfig, rows: list[dict], history: list[dict], timing: _Timi
                     "generated_tokens": sum(r["tokens"] for r in rows)}
         if cfg.objective != "reward":
             kl = [m["teacher_kl"] for m in history if m.get("teacher_tokens")]
+            exact = [m["teacher_divergence"] for m in history if "teacher_divergence" in m]
+            if exact:
+                summary |= {"teacher_divergence_first": exact[0], "teacher_divergence_last": exact[-1]}
             summary |= {"teacher_kl_first": kl[0] if kl else float("nan"),
                         "teacher_kl_last": kl[-1] if kl else float("nan"),
                         **{key: int(sum(m.get(key, 0) for m in history))

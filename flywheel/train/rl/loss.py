@@ -20,19 +20,25 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     (flywheel/train/opening.py), the same numbers at a fraction of the positions.
     """
     if wanted is not None:
-        from flywheel.train.opening import wanted_logits
-
-        wanted = wanted.bool().clone()
-        wanted[:, 0] = False
-        logits = wanted_logits(model, input_ids, attention_mask, wanted)
-        picked = F.log_softmax(logits.float() / temperature, dim=-1).gather(
-            -1, input_ids[wanted].unsqueeze(-1)).squeeze(-1)
-        return torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device).masked_scatter(wanted, picked)
+        return token_distributions(model, input_ids, attention_mask, wanted, temperature)[0]
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
     # float32 for the softmax: bf16 log-probs are too coarse for ratios near 1.
     logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return F.pad(picked, (1, 0), value=0.0)
+
+
+def token_distributions(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        wanted: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_logprobs at the wanted tokens [B, T], 0 elsewhere; the whole log-distribution each wanted token was
+    drawn from [N, V], in the row-major order of `wanted`). A row's first position is never wanted."""
+    from flywheel.train.opening import wanted_logits
+
+    wanted = wanted.bool().clone()
+    wanted[:, 0] = False
+    logp = F.log_softmax(wanted_logits(model, input_ids, attention_mask, wanted).float() / temperature, dim=-1)
+    picked = logp.gather(-1, input_ids[wanted].unsqueeze(-1)).squeeze(-1)
+    return torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device).masked_scatter(wanted, picked), logp
 
 
 def truncated_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
@@ -49,6 +55,20 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType = "grpo",
+              max_length: int | None = None) -> torch.Tensor:
+    """The loss of per-token terms [B, T] over the masked tokens, as `loss_type` averages (see policy_loss)."""
+    mask = mask.to(per_token.dtype)
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "dr_grpo":
+        length = max_length if max_length is not None else mask.shape[1]
+        return (per_token * mask).sum() / (mask.shape[0] * length)
+    if loss_type == "dapo":
+        return _masked_mean(per_token, mask)
+    raise ValueError(f"unknown loss_type '{loss_type}' (known: grpo, dr_grpo, dapo)")
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -89,16 +109,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         kl = k3_kl(logprobs, ref_logprobs.detach())
         per_token = per_token + beta * kl
 
-    if loss_type == "grpo":
-        per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-        loss = per_sequence.mean()
-    elif loss_type == "dr_grpo":
-        length = max_length if max_length is not None else mask.shape[1]
-        loss = (per_token * mask).sum() / (mask.shape[0] * length)
-    elif loss_type == "dapo":
-        loss = _masked_mean(per_token, mask)
-    else:
-        raise ValueError(f"unknown loss_type '{loss_type}' (known: grpo, dr_grpo, dapo)")
+    loss = aggregate(per_token, mask, loss_type, max_length)
 
     with torch.no_grad():
         # A token is clipped when clipping removes its gradient: the ratio left the trust region in the

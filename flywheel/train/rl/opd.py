@@ -6,6 +6,15 @@ KL(student || teacher) at that token, negated (plus reward_coef times the group'
 `reward+opd`). The learner takes its usual clipped, importance-corrected steps on these per-token advantages,
 so tokens the teacher finds likelier than the student are pushed up, the others down. Only tokens in the loss
 mask (the student's own) get one: prompts and tool results carry no KL.
+
+With a local teacher the divergence can instead be exact (`rl.opd.divergence: reverse | forward`): at each
+position the student wrote, the KL between the two models' whole next-token distributions, KL(student ||
+teacher) or KL(teacher || student), times kl_coef, is a loss term beside the policy loss (which then carries
+only the reward advantages of `reward+opd`). The sampled advantage is a one-token estimate of the reverse KL's
+gradient: it pushes down the token drawn and leaves the teacher's own choice to rise only as the rest do; the
+exact forms move every token of the vocabulary at once, and `forward` pulls the teacher's token up directly,
+most where the student gives it least (a student that never learned to copy a tool's result hardly ever samples
+the copy, so the sampled signal rarely reaches it).
 """
 
 from __future__ import annotations
@@ -35,6 +44,21 @@ def distill_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tenso
     tokens = mask.sum().clamp(min=1.0)
     return advantages.detach(), {"teacher_kl": float(reverse_kl.sum() / tokens),
                                  "teacher_logprob": float((teacher_logprobs * mask).sum() / tokens)}
+
+
+def exact_divergence(student: torch.Tensor, teacher: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL between two log-distributions [N, V] (the student's carries the gradient): `reverse`
+    KL(student || teacher), `forward` KL(teacher || student); [N], each >= 0. A teacher's -inf (probability 0)
+    is read as e^-100, so the reverse KL stays finite where the student still gives such a token mass."""
+    if student.shape != teacher.shape:
+        raise ValueError(f"the student's distributions are {tuple(student.shape)} and the teacher's "
+                         f"{tuple(teacher.shape)}: the two models' output vocabularies differ")
+    teacher = teacher.detach().clamp(min=-100.0)
+    if kind == "reverse":
+        return (student.exp() * (student - teacher)).sum(-1)
+    if kind == "forward":
+        return (teacher.exp() * (teacher - student)).sum(-1)
+    raise ValueError(f"unknown divergence '{kind}' (exact ones: reverse, forward)")
 
 
 def with_teacher(batch: dict[str, torch.Tensor], teacher) -> tuple[dict[str, torch.Tensor], dict[str, int]]:

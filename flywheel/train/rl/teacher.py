@@ -84,6 +84,16 @@ class LocalTeacher:
                  for i in range(0, len(ids), self.chunk)]
         return torch.cat(parts)
 
+    @torch.no_grad()
+    def distributions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      wanted: torch.Tensor) -> torch.Tensor:
+        """The teacher's whole next-token log-distribution at each wanted token, [N, V] in the row-major order
+        of `wanted` (rl.opd.divergence reverse or forward), on the device the ids came from."""
+        from flywheel.train.rl.loss import token_distributions
+
+        return token_distributions(self.model, input_ids.to(self.device), attention_mask.to(self.device),
+                                   wanted.to(self.device))[1].to(input_ids.device)
+
     def close(self) -> None:
         """Nothing held but memory."""
 
