@@ -149,7 +149,8 @@ def test_dvc_asks_about_one_pipeline_where_another_never_ran(ran):
 
 def test_on_policy_distillation_through_the_stage(ran, monkeypatch):
     """rl.objective opd with a local teacher checkpoint (here the SFT model's copy, so the tokenizer is the
-    student's): the rl stage runs and logs the per-token KL to the teacher in MLflow each step."""
+    student's), with the exact forward KL: the rl stage runs and logs the per-token KL to the teacher (sampled,
+    and the exact term) in MLflow each step."""
     import mlflow
 
     from tasks.spec import dvc_yaml
@@ -158,7 +159,8 @@ def test_on_policy_distillation_through_the_stage(ran, monkeypatch):
     shutil.copytree(ran.root / "models/small/sft", teacher)
     config = yaml.safe_load((ran.root / "pipelines.yaml").read_text())
     config["pipelines"]["small"]["rl"] |= {"objective": "opd", "group_size": 1,
-                                           "opd": {"teacher": "teachers/small", "kl_coef": 1.0}}
+                                           "opd": {"teacher": "teachers/small", "kl_coef": 1.0,
+                                                   "divergence": "forward"}}
     (ran.root / "pipelines.yaml").write_text(yaml.safe_dump(config))
     (ran.root / "dvc.yaml").write_text(dvc_yaml(ran.root))
     done, cached = ran.run()
@@ -170,6 +172,8 @@ def test_on_policy_distillation_through_the_stage(ran, monkeypatch):
                              order_by=["start_time DESC"], output_format="list")[0]
     kl = mlflow.MlflowClient().get_metric_history(run.info.run_id, "teacher_kl")
     assert [m.step for m in kl] == [0, 1] and all(m.value == m.value for m in kl)  # logged, not NaN
+    exact = mlflow.MlflowClient().get_metric_history(run.info.run_id, "teacher_divergence")
+    assert [m.step for m in exact] == [0, 1] and all(m.value >= 0 for m in exact)
     assert run.data.metrics["final_teacher_tokens"] > 0 and run.data.metrics["final_teacher_failed_groups"] == 0
 
     # new teacher bytes are a new rl key: tests/test_cache_keys.py (a rerun here would cost the suite 30 s)
