@@ -91,8 +91,13 @@ def improve(pipeline, env, train, heldout, sft: Path, out: Path, rl_cfg) -> dict
     monitor = Monitor(env, audit_sample(heldout, rl_cfg.monitor_tasks), rl_cfg, max_turns) \
         if rl_cfg.monitor_every else None
     started = time.perf_counter()
+    curve = []  # rl.keep_best's validation pass rate at each check: where a run that keeps version 0 went
+
+    def on_step(step: int, metrics: dict) -> None:
+        if "validation_pass" in metrics:
+            curve.append([step + 1, round(metrics["validation_pass"], 4)])
     rows, summary = train_rl(sft, env, train, rl_cfg, out, max_turns=max_turns, monitor=monitor,
-                             checkpoint_dir=out.parent / f"{out.name}-checkpoints")
+                             checkpoint_dir=out.parent / f"{out.name}-checkpoints", on_step=on_step)
     return {"wall_s": round(time.perf_counter() - started, 1), "episodes": len(rows),
             "generated_tokens": int(summary.get("generated_tokens", 0)),
             "trained_tokens": int(summary.get("trained_tokens", 0)), "updates": int(summary.get("updates", 0)),
@@ -101,7 +106,8 @@ def improve(pipeline, env, train, heldout, sft: Path, out: Path, rl_cfg) -> dict
                                                         "teacher_divergence_first", "teacher_divergence_last",
                                                         "validation_pass_first", "validation_pass_best")
                if k in summary},
-            **({"best_version": summary["best_version"]} if "best_version" in summary else {})}
+            **({"best_version": summary["best_version"], "validation_curve": curve} if "best_version" in summary
+               else {})}
 
 
 def interval(a: dict[str, float], b: dict[str, float], confidence: float) -> list[float]:
@@ -148,11 +154,11 @@ def main() -> None:
     # the OPD run: the pipeline's rl section with these changes (chosen on seeds 0-2: see the README)
     parser.add_argument("--objective", choices=["opd", "reward+opd"], default="reward+opd")
     parser.add_argument("--opd-steps", type=int, default=40)
-    parser.add_argument("--opd-lr", type=float, default=1e-4)
+    parser.add_argument("--opd-lr", type=float, default=3e-4)
     parser.add_argument("--opd-tasks", type=int, default=24, help="tasks per step")
     parser.add_argument("--opd-group", type=int, default=4, help="samples per task")
     parser.add_argument("--kl-coef", type=float, default=1.0)
-    parser.add_argument("--divergence", choices=["sampled", "reverse", "forward"], default="sampled",
+    parser.add_argument("--divergence", choices=["sampled", "reverse", "forward"], default="reverse",
                         help="rl.opd.divergence: sampled (an advantage per token) or exact over the vocabulary")
     parser.add_argument("--teacher-steps", type=int, default=1000)
     parser.add_argument("--workdir", type=Path, help="where models go and are reused (default: a temporary folder)")

@@ -13,7 +13,7 @@ teacher) or KL(teacher || student), times kl_coef, is a loss term beside the pol
 only the reward advantages of `reward+opd`). The sampled advantage is a one-token estimate of the reverse KL's
 gradient: it pushes down the token drawn and leaves the teacher's own choice to rise only as the rest do; the
 exact forms move every token of the vocabulary at once, and `forward` pulls the teacher's token up directly,
-most where the student gives it least (a student that never learned to copy a tool's result hardly ever samples
+most where the student gives it least (a student that never learned to copy a big number hardly ever samples
 the copy, so the sampled signal rarely reaches it).
 """
 
