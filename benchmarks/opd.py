@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=["sft", "rl", "opd"], default=["sft", "rl", "opd"])
     # the OPD run: the pipeline's rl section with these changes (chosen on seeds 0-2: see the README)
     parser.add_argument("--objective", choices=["opd", "reward+opd"], default="reward+opd")
-    parser.add_argument("--opd-steps", type=int, default=40)
+    parser.add_argument("--opd-steps", type=int, default=100)
     parser.add_argument("--opd-lr", type=float, default=3e-4)
     parser.add_argument("--opd-tasks", type=int, default=24, help="tasks per step")
     parser.add_argument("--opd-group", type=int, default=4, help="samples per task")
