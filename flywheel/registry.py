@@ -213,7 +213,18 @@ def download(version: Version, dst: Path | None = None) -> Path:
     import mlflow.artifacts
 
     dst = dst or Path(tempfile.mkdtemp(prefix=f"{version.name}-v{version.version}-"))
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(dst)))
+    gone = FileNotFoundError(
+        f"model '{version.name}' version {version.version}: no files at {version.source}. MLflow keeps the "
+        "absolute artifact location a version was registered with: if the project (or its .flywheel/) was moved "
+        "or deleted since, move it back, or register the model again")
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(dst)))
+    except MlflowException as err:
+        raise gone from err
+    if not any(local.iterdir()) if local.is_dir() else not local.exists():
+        # a logged model's dead location: MLflow says so only in a log line, and the checkpoint loader would call
+        # the empty folder "not a model checkpoint", naming a temporary path
+        raise gone
     return checkpoint_in(local)
 
 

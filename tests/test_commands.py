@@ -69,14 +69,26 @@ def ran(tmp_path_factory, prefect_server) -> Project:
 
 
 def test_a_moved_project_answers_every_stage_from_the_cache(ran):
-    """Cache keys are made of content, never of paths: the same project elsewhere runs nothing."""
+    """Cache keys are made of content, never of paths: the same project elsewhere runs nothing.
+
+    The project goes back where it was after: MLflow keeps the absolute artifact location of its experiment and
+    of each version (the moved run even writes its artifacts under the old path), so a stage that downloads the
+    champion (evaluate) needs the project there; the module's tests are spread over pytest-xdist's workers, and
+    none may depend on this one having run before it."""
+    home = ran.root
     moved = ran.root.parent / "moved" / "elsewhere"
     moved.parent.mkdir()
-    shutil.move(ran.root, moved)
+    shutil.move(home, moved)
     ran.root = moved
-    done, cached = ran.run()
-    assert done == [] and cached == ["collect", "synthesize", "sft", "rl", "evaluate", "register"]
-    assert "up to date" in ran.dvc("status")
+    try:
+        done, cached = ran.run()
+        assert done == [] and cached == ["collect", "synthesize", "sft", "rl", "evaluate", "register"]
+        assert "up to date" in ran.dvc("status")
+    finally:
+        if home.exists():  # the moved run's own MLflow artifacts, written to the experiment's recorded location
+            shutil.rmtree(home)
+        shutil.move(moved, home)
+        ran.root = home
 
 
 def test_a_changed_code_file_runs_its_stage_and_those_after_it(ran):

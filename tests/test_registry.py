@@ -59,6 +59,20 @@ def test_registration_is_idempotent_and_aliases_move(tmp_path, mlflow_store):
     assert (downloaded / "config.json").read_text() == '{"id": "c"}'
 
 
+def test_a_version_whose_artifacts_moved_away_is_a_clear_error(tmp_path, mlflow_store):
+    """MLflow finds nothing at a dead artifact location and only logs it; the download says what happened."""
+    import shutil
+    from urllib.parse import urlparse
+
+    run = registry.start_run(tmp_path, "p", "register")
+    version = registry.register(run, "p", _model(tmp_path, "a"), "hash-a", {}, ["challenger"])
+    source = Path(urlparse(registry.get_alias("p", "challenger").source).path)
+    stored = next(parent for parent in [source, *source.parents] if parent.name == "mlartifacts")
+    shutil.move(stored, tmp_path / "moved-away")
+    with pytest.raises(FileNotFoundError, match=f"model 'p' version {version.version}: no files at .*moved"):
+        registry.download(registry.get_alias("p", "challenger"), tmp_path / "dl")
+
+
 def test_no_model_no_alias(mlflow_store):
     assert registry.get_alias("nothing-here", "champion") is None
 
