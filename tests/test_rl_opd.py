@@ -297,6 +297,31 @@ def test_a_teacher_that_is_the_student_gives_no_exact_divergence(tiny_student, t
     assert all(torch.allclose(weights(model)[k], before[k], atol=1e-6) for k in before)
 
 
+def test_a_nan_teacher_row_leaves_the_exact_divergence_finite(tiny_student, teacher, tasks):
+    """A teacher whose distribution is NaN at some of the student's tokens: those tokens leave the loss (counted),
+    and the step stays finite."""
+    class Broken(LocalTeacher):
+        def logprobs(self, batch):
+            out = super().logprobs(batch)
+            out[0] = torch.nan
+            return out
+
+        def distributions(self, input_ids, attention_mask, wanted):
+            out = super().distributions(input_ids, attention_mask, wanted)
+            return out.masked_fill(torch.rand(out.shape[0], 1, generator=torch.Generator().manual_seed(0)) < 0.3,
+                                   math.nan)
+
+    broken = Broken(teacher, "cpu")
+    batch, counts = with_teacher(_batch(tiny_student, tasks), broken)
+    assert counts["teacher_nonfinite_tokens"] > 0
+    cfg = CFG.model_copy(update={"opd": CFG.opd.model_copy(update={"divergence": "forward"})})
+    model = load_student(tiny_student)[0]
+    stats = learn_on_batch(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, cfg,
+                           torch.Generator().manual_seed(0), teacher=broken)
+    assert math.isfinite(stats["teacher_divergence"]) and math.isfinite(stats["loss"])
+    assert all(torch.isfinite(w).all() for w in weights(model).values())
+
+
 def test_opd_config_errors():
     with pytest.raises(ValidationError, match="objective 'opd' needs rl.opd with a teacher"):
         RLConfig(objective="opd")

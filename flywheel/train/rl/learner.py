@@ -81,7 +81,12 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
                 loss_type=cfg.loss_type, max_length=cfg.max_length, behaviour_logprobs=behaviour,
                 tis_cap=cfg.tis_cap, ref_logprobs=None if ref is None else ref[idx], beta=cfg.kl_beta)
             if exact:
-                divergence = exact_divergence(distributions, teacher.distributions(ids, attention, wanted), exact)
+                targets = teacher.distributions(ids, attention, wanted)
+                # a teacher row with NaN or +inf gets no term (its token already left the loss mask, counted by
+                # with_teacher): computed there at all, it would give NaN gradients even masked
+                usable = ~(torch.isnan(targets) | (targets == torch.inf)).any(-1)
+                divergence = torch.zeros(len(targets), dtype=distributions.dtype, device=distributions.device)
+                divergence[usable] = exact_divergence(distributions[usable], targets[usable], exact)
                 wanted[:, 0] = False  # as token_distributions reads it: a row's first token is never predicted
                 per_token = torch.zeros(ids.shape, dtype=divergence.dtype,
                                         device=divergence.device).masked_scatter(wanted, divergence)
