@@ -15,7 +15,8 @@ import pytest
 import yaml
 from conftest import make_project
 
-from flywheel.cli import USER_ERRORS, error_block
+from flywheel.cli.errors import error_block
+from flywheel.errors import UserFacingError
 
 BIN = Path(sys.executable).parent
 
@@ -43,10 +44,46 @@ def make_env() -> Env:
 '''
 
 
-def test_every_user_error_name_is_a_class_that_imports():
-    for name in USER_ERRORS:
-        module, _, cls = name.rpartition(".")
-        assert isinstance(getattr(importlib.import_module(module), cls), type), name
+# Exceptions that never reach the terminal as a command's error: each is caught where it is raised and becomes
+# something else. Every other exception class of the project is one a user can fix (UserFacingError).
+INTERNAL = {
+    "flywheel.contract.ToolError": "a tool's failure, given to the model as the tool's result",
+    "flywheel.data.shapes.BadRecord": "a malformed trace, quarantined with its reason and counted",
+    "flywheel.data.shapes.PartialTurn": "a proxy call that ended in tool calls: its turn is in the next call",
+    "flywheel.envs.replay.record.UnusableRecord": "a trace replay cannot serve, left out and counted",
+    "flywheel.serving.traffic.UnknownAnswer": "an operator's verdict on an unknown answer: an HTTP 404",
+    "flywheel.serving.chat.RequestError": "a client's bad request: an HTTP 400",
+    "flywheel.train.rl.teacher.TeacherUnavailable": "the OPD server failed mid-run: the step's groups are dropped",
+}
+
+
+def _exception_classes() -> dict[str, type]:
+    """Every exception class defined in flywheel/, tasks/ and flows/, by module and name."""
+    import ast
+
+    found = {}
+    repo = Path(__file__).resolve().parent.parent
+    for path in sorted(p for package in ("flywheel", "tasks", "flows") for p in (repo / package).rglob("*.py")):
+        parts = list(path.relative_to(repo).with_suffix("").parts)
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and node.bases:
+                cls = getattr(importlib.import_module(module), node.name)
+                if isinstance(cls, type) and issubclass(cls, BaseException):
+                    found[f"{module}.{node.name}"] = cls
+    return found
+
+
+def test_every_exception_is_a_user_facing_error_or_caught_inside():
+    classes = _exception_classes()
+    assert {"flywheel.config.ConfigError", "flows.runlock.PipelineBusy", "tasks.rl.NoUpdatesError"} <= set(classes)
+    assert set(INTERNAL) <= set(classes), "an INTERNAL name no longer exists"
+    neither = sorted(name for name, cls in classes.items()
+                     if name not in INTERNAL and name != "flywheel.errors.UserFacingError"
+                     and not issubclass(cls, UserFacingError))
+    assert not neither, (f"exceptions neither UserFacingError nor caught inside (INTERNAL): {neither}; a user's "
+                         "error subclasses flywheel.errors.UserFacingError, so the terminal shows its message alone")
+    assert not [name for name in INTERNAL if issubclass(classes[name], UserFacingError)]
 
 
 def test_a_user_error_is_its_message_and_a_bug_says_it_is_one(tmp_path):

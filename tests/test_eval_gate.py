@@ -31,7 +31,7 @@ def _configure(project, healthy: OracleServer, dying: OracleServer) -> None:
 def test_a_run_that_learned_nothing_is_refused_and_says_so(project, prefect_server, capsys):
     from flows.retrain import retrain
     from flywheel import registry
-    from flywheel.cli import _print_summary
+    from flywheel.cli.render import print_summary
     from tasks.rl import NoUpdatesError, rl
 
     with OracleServer(retry_after="0.1") as healthy, OracleServer(retry_after="0.1") as dying:
@@ -85,7 +85,7 @@ def test_a_run_that_learned_nothing_is_refused_and_says_so(project, prefect_serv
     assert [m.value for m in client.get_metric_history(rl_run, "skipped_group_share")] == [1.0, 1.0]
 
     # the printed summary: both columns, the null and reference rows, the refusal, the warning
-    _print_summary(summary, project, 1.0)
+    print_summary(summary, project, 1.0)
     shown = capsys.readouterr().out
     for text in ("mean reward", "pass rate", "null (empty answer)", "oracle (reference)", "dying (reference)",
                  "incomplete: ", "refused: the eval cannot measure this candidate",

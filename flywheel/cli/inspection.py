@@ -1,0 +1,174 @@
+"""The commands that look without training: check, eval, status, compare, envs."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import typer
+
+from flywheel.cli.app import ROOT, app, fail
+from flywheel.cli.errors import reported
+from flywheel.cli.preflight import checked_root, pipeline_config, preflight, stale_dvc_yaml
+from flywheel.cli.render import print_eval, print_status
+
+RUN_IDS = typer.Argument(None, help="MLflow run ids of retrain runs, or their first characters as the tables "
+                                    "print them (default: the last N).")
+HTML = typer.Option(None, "--html", help="Also write an HTML report with plots to this file.")
+POLICY = typer.Option(..., "--policy", help="[LABEL=]SPEC, repeatable: a checkpoint folder, models:/NAME/VERSION, "
+                      "models:/NAME@ALIAS, @ALIAS (this pipeline's model), openai:MODEL or null.")
+
+PANEL = "Check and look"  # where `flywheel --help` lists these commands
+
+
+@app.command(rich_help_panel=PANEL)
+def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipelines.yaml (default: every one)."),
+          solve: bool = typer.Option(False, "--solve", help="Dry-run the environment: its scripted solver and the "
+                                     "null policy (an empty answer) over its tasks, through the real harness and "
+                                     "rubric; exits 1 on an error (a reward outside [0, 1], a tool that breaks)."),
+          sample: int | None = typer.Option(None, "--sample", min=1, help="With --solve: a seeded sample of N "
+                                            "tasks (default: every task collect would draw)."),
+          root: Path = ROOT) -> None:
+    """Validate pipelines.yaml (every bad key or value with its place in the file), build each environment and
+    count the tasks its split gives against what the config asks; with --solve, dry-run the environment."""
+    from flywheel.config import ConfigError, load_pipelines
+    from flywheel.data.tasksets import own_tasks, short_splits
+
+    try:
+        pipelines = load_pipelines(root / "pipelines.yaml")
+    except ConfigError as err:
+        fail(str(err))
+    if pipeline is not None and pipeline not in pipelines:
+        fail(f"{root / 'pipelines.yaml'}: no pipeline '{pipeline}' (pipelines: {', '.join(sorted(pipelines))})")
+    chosen = pipelines if pipeline is None else {pipeline: pipelines[pipeline]}
+    built = preflight(root, chosen)
+    stale = stale_dvc_yaml(root)
+    if stale:
+        fail(stale)
+    typer.echo(f"{root / 'pipelines.yaml'}: ok ({', '.join(sorted(chosen))})")
+    for name, cfg in chosen.items():
+        if solve:
+            continue  # the dry run says it with the rest
+        splits = Counter(t.split for t in own_tasks(built[name], cfg.environment, cfg.collect.heldout_fraction))
+        for line in short_splits(built[name].name, splits, cfg.environment, cfg.collect.heldout_fraction):
+            typer.secho(f"  warning: pipelines.{name}: {line}", fg=typer.colors.YELLOW)
+    if solve and not _dry_run(root.resolve(), chosen, named=pipeline is not None, sample=sample):
+        raise typer.Exit(1)
+
+
+def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bool:
+    """`check --solve` over each pipeline's environment: its report printed; False when one has errors."""
+    from flywheel.dryrun import NoTasksError, dry_run, render
+    from flywheel.envs import load_environment
+    from flywheel.settings import configure
+
+    configure(root)
+    clean = True
+    for name, cfg in pipelines.items():
+        env = load_environment(cfg.environment, root, pipeline=name)  # replay: the pipeline's collected tasks
+        try:
+            report = dry_run(name, cfg, env, sample=sample)
+        except NoTasksError as err:
+            if named:
+                fail(str(err))
+            typer.echo(f"pipeline '{name}': not dry-run: {err}")
+            continue
+        for line in render(report):
+            color = {"  error": typer.colors.RED, "  warning": typer.colors.YELLOW}.get(line.partition(":")[0])
+            typer.secho(line, fg=color)
+        clean = clean and not report.errors
+    return clean
+
+
+@app.command("eval", rich_help_panel=PANEL)
+@reported
+def eval_policies(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yaml: its held-out tasks."),
+                  policy: list[str] = POLICY,
+                  base_url: str | None = typer.Option(None, "--base-url", help="openai: the endpoint, e.g. "
+                                                      "http://localhost:8000/v1 (default: OPENAI_BASE_URL)."),
+                  api_key_env: str | None = typer.Option(None, "--api-key-env", help="openai: the NAME of the "
+                                                         "variable holding the key."),
+                  price_input: float = typer.Option(0.0, "--price-input", min=0, help="openai: USD per million "
+                                                    "prompt tokens."),
+                  price_output: float = typer.Option(0.0, "--price-output", min=0, help="openai: USD per million "
+                                                     "completion tokens."),
+                  samples: int | None = typer.Option(None, "--samples", min=0, help="Sampled episodes per task "
+                                                     "beside the greedy one (default: evaluate.samples)."),
+                  root: Path = ROOT) -> None:
+    """Score policies on a pipeline's held-out tasks without training, beside the null policy; an MLflow run."""
+    from flywheel.config import ReferenceConfig
+    from flywheel.data.catalog import DataError
+    from flywheel.evaluate.adhoc import evaluate_policies
+    from flywheel.evaluate.arms import SpecError
+    from flywheel.evaluate.runner import NoHeldoutError
+
+    root = checked_root(root)
+    cfg = pipeline_config(root, pipeline)
+    endpoint = {"base_url": base_url, "api_key_env": api_key_env, "price_input_per_mtok": price_input,
+                "price_output_per_mtok": price_output, "cache": None}
+    try:
+        ReferenceConfig(name="check", model="check", **endpoint)  # a bad --api-key-env is named here
+    except ValueError as err:
+        fail(str(err))
+    preflight(root, {pipeline: cfg}, students=False)
+    try:
+        result = evaluate_policies(pipeline, root, cfg, policy, endpoint, samples)
+    except (NoHeldoutError, SpecError, DataError) as err:
+        fail(str(err))
+    print_eval(result, pipeline)
+
+
+@app.command(rich_help_panel=PANEL)
+def status(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yaml."),
+           last: int = typer.Option(5, "--last", min=1, help="How many of the newest retrain runs."),
+           root: Path = ROOT) -> None:
+    """The champion and challenger, the last runs with their gate, the data versions, the next scheduled run."""
+    root = checked_root(root)
+    from flows.runlock import reap
+    from flows.status import next_run
+    from flywheel.status import pipeline_status
+
+    cfg = pipeline_config(root, pipeline)
+    for found in reap(root):  # runs of this project now, and those whose process died (marked here)
+        typer.echo(found.line())
+    print_status(pipeline, pipeline_status(pipeline, last=last), next_run(pipeline, cfg.schedule).line)
+
+
+@app.command(rich_help_panel=PANEL)
+def compare(pipeline: str = typer.Argument(..., help="Pipeline name (the MLflow experiment)."),
+            runs: list[str] | None = RUN_IDS,
+            last: int = typer.Option(5, "--last", min=1, help="How many of the newest retrain runs."),
+            html: Path | None = HTML,
+            params: bool = typer.Option(False, "--params", help="Also list every param, one per line."),
+            root: Path = ROOT) -> None:
+    """Compare retrain runs: data versions, SFT/RL metrics, eval scores with intervals, gate; params on request."""
+    from rich.console import Console
+
+    from flywheel import comparison
+
+    checked_root(root)
+    try:
+        rows = comparison.retrain_runs(pipeline, last=last, run_ids=runs or None)
+    except LookupError as err:
+        fail(str(err))
+    if not rows:
+        fail(f"no retrain runs of '{pipeline}' in MLflow ({os.environ['MLFLOW_TRACKING_URI']}); "
+             f"run `flywheel run {pipeline}` first")
+    console = Console()  # the terminal's width (or COLUMNS): a run is one line from 100 columns, folds below
+    for table in comparison.terminal_tables(rows, pipeline, console.width, params=params):
+        console.print(table)
+    if html is not None:
+        typer.echo(f"wrote {comparison.write_html(rows, html, pipeline)}")
+
+
+@app.command(rich_help_panel=PANEL)
+def envs() -> None:
+    """List the environments a pipeline can name: built-ins and installed packages' entry points."""
+    from flywheel.envs import ENTRY_POINT_GROUP, entry_point_environments, environment_names
+
+    for name in environment_names():
+        typer.echo(f"{name}\tbuilt-in\tflywheel.envs.{name}")
+    for name, target in sorted(entry_point_environments().items()):
+        typer.echo(f"{name}\tentry point ({ENTRY_POINT_GROUP})\t{target}")
+    typer.echo("any other: environment: {factory: \"package.module:function\", args: {...}} in pipelines.yaml")

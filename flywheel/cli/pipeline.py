@@ -1,0 +1,132 @@
+"""The commands that train, register and move models: run, stage, rerun, promote, loop."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from flywheel.cli.app import ROOT, TRACES, app, fail
+from flywheel.cli.errors import reported
+from flywheel.cli.preflight import checked_root, pipeline_config, preflight
+from flywheel.cli.render import print_rerun, print_summary
+
+RESTORE = typer.Option(["collect"], "--restore", help="A stage checked out from DVC instead of run (repeat: "
+                       "collect, synthesize): their inputs lie outside the project and may have changed.")
+
+PANEL = "Train, register, promote"  # where `flywheel --help` lists these commands
+
+
+@app.command(rich_help_panel=PANEL)
+@reported
+def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yaml."), root: Path = ROOT,
+        refresh: bool = typer.Option(False, "--refresh", help="Rerun every stage, ignoring the cache."),
+        push: bool = typer.Option(True, "--push/--no-push", help="Push datasets to the DVC remote."),
+        wait: bool = typer.Option(False, "--wait", help="If the pipeline is already running here, start when it "
+                                  "ends (default: stop, naming the running one).")) -> None:
+    """Run the retrain flow: collect, synthesize, sft, rl, evaluate, register."""
+    root = checked_root(root)
+    preflight(root, {pipeline: pipeline_config(root, pipeline)})
+    from flows.retrain import retrain
+
+    started = time.monotonic()
+    summary = retrain(pipeline=pipeline, root=str(root), refresh=refresh, push=push, wait=wait)
+    print_summary(summary, root, time.monotonic() - started)
+
+
+@app.command(rich_help_panel=PANEL)
+@reported
+def stage(name: str = typer.Argument(..., help="collect, synthesize, sft, rl, evaluate or register."),
+          pipeline: str = typer.Option(..., "--pipeline", "-p"), root: Path = ROOT) -> None:
+    """Run one stage directly, without Prefect (what dvc.yaml calls)."""
+    from flywheel.stages import ORDER
+
+    root = checked_root(root)
+    if name not in ORDER:
+        fail(f"unknown stage '{name}' (stages: {', '.join(ORDER)})")
+    from tasks.kernel import stage_by_name
+
+    result = stage_by_name(name).fn(pipeline=pipeline, root=str(root))
+    typer.echo(f"{name}: done (MLflow run {result.run_id})")
+
+
+@app.command(rich_help_panel=PANEL)
+@reported
+def promote(pipeline: str = typer.Argument(..., help="Pipeline name (the registered model's name)."),
+            version: str | None = typer.Argument(None, help="Model version to make champion."),
+            force: bool = typer.Option(False, "--force", help="Skip the gate; the move is tagged as forced."),
+            rollback: bool = typer.Option(False, "--rollback", help="Return champion to the previous one."),
+            root: Path = ROOT) -> None:
+    """Move `champion` to a version through the gate against the current champion, or roll it back."""
+    from flywheel import promotion
+
+    root = checked_root(root)
+    if rollback == (version is not None):
+        fail("give either a VERSION or --rollback")
+    try:
+        if rollback:
+            outcome = promotion.rollback(pipeline)
+        else:
+            cfg = pipeline_config(root, pipeline)
+            # stored evaluations on other held-out tasks: both versions are scored again on the current ones
+            outcome = promotion.promote(pipeline, version, cfg.gate, force=force,
+                                        reevaluate=lambda v, c: promotion.evaluate_now(pipeline, v, c, root, cfg))
+    except promotion.PromotionError as err:
+        fail(str(err))
+    for reason in outcome.reasons:
+        typer.echo(f"  - {reason}")
+    if outcome.promoted:
+        typer.echo(f"{pipeline}: champion is version {outcome.champion} ({outcome.how}; was {outcome.previous})")
+    else:
+        typer.secho(f"{pipeline}: version {outcome.version} not promoted; champion stays {outcome.champion}",
+                    fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+
+
+@app.command(rich_help_panel=PANEL)
+@reported
+def rerun(run_id: str = typer.Argument(..., help="MLflow run id of a retrain run, or its first characters as "
+                                        "`flywheel compare` lists them."),
+          promote: bool = typer.Option(False, "--promote", help="Let the gate move champion, as a run would."),
+          restore: list[str] = RESTORE,
+          push: bool = typer.Option(True, "--push/--no-push", help="Push reproduced data to the DVC remote."),
+          root: Path = ROOT) -> None:
+    """Run a recorded retrain run again from its config and data versions; compare every output and score."""
+    root = checked_root(root)  # before Prefect is imported: it reads its settings once
+    from flows.rerun import rerun as rerun_flow
+    from flywheel.reproduce import RerunError
+
+    try:
+        report = rerun_flow(run_id, root=str(root), promote=promote, push=push, restore=tuple(restore))
+    except RerunError as err:
+        fail(str(err))
+    print_rerun(report, run_id, promote)
+    if not report.reproduced:
+        raise typer.Exit(1)
+
+
+@app.command(rich_help_panel=PANEL)
+@reported
+def loop(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yaml."),
+         rounds: int = typer.Option(2, "--rounds", min=1, help="Retrain, serve, drive the agent: this many times."),
+         episodes: int = typer.Option(100, "--episodes", min=1, help="Agent episodes against the server per round."),
+         traces: Path | None = TRACES,
+         push: bool = typer.Option(True, "--push/--no-push", help="Push datasets to the DVC remote."),
+         root: Path = ROOT) -> None:
+    """Close the flywheel: retrain, serve the champion, run the environment's agent on it, collect, retrain."""
+    from flywheel.serving.loop import LoopError, check_sources, run_round
+    from flywheel.serving.server import traces_folder
+
+    root = checked_root(root)
+    folder = traces or traces_folder(root, pipeline)
+    try:
+        check_sources(pipeline, pipeline_config(root, pipeline), root, folder)
+    except LoopError as err:
+        fail(str(err))
+    from flows.retrain import retrain
+
+    for number in range(1, rounds + 1):
+        summary = retrain(pipeline=pipeline, root=str(root), push=push)
+        line = run_round(pipeline, root, folder, summary, number, episodes)
+        typer.echo(line.text())
