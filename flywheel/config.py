@@ -6,7 +6,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -22,12 +22,46 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ReplayJudgeConfig(Section):
+# The limits of an endpoint's client, with their bounds; a section whose defaults differ restates the default only.
+Concurrency = Annotated[int, Field(ge=1, le=512)]  # requests in flight at once
+TimeoutS = Annotated[float, Field(gt=0)]  # per request; a hang past it is retried
+MaxRetries = Annotated[int, Field(ge=0, le=20)]  # per request, on 429, 5xx, timeouts and dropped connections
+
+
+class EndpointConfig(Section):
+    """A server over the OpenAI protocol and how its client talks to it (flywheel/policies/openai.py): the
+    sections that call one (teacher, environment.user, environment.replay.judge, evaluate.references, rl.opd)."""
+
+    where: ClassVar[str]  # the section's key in pipelines.yaml, for the client's messages
+
+    # e.g. http://localhost:8000/v1 (vLLM's server); unset: the client's default (OPENAI_BASE_URL or OpenAI's)
+    base_url: str | None = None
+    # The NAME of the environment variable holding the key; a key itself never goes in this file.
+    api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")
+    concurrency: Concurrency = 16
+    timeout_s: TimeoutS = 120.0
+    max_retries: MaxRetries = 6
+    # this many failed attempts in a row (any request) mean the endpoint is down: the stage stops
+    breaker_failures: int = Field(10, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hide_pasted_keys(cls, data):
+        # A value that is not an UPPER_CASE variable name may be a pasted key: the error must not print it.
+        value = data.get("api_key_env") if isinstance(data, dict) else None
+        if isinstance(value, str) and not (value.isascii() and value.isidentifier() and value == value.upper()):
+            data = {**data, "api_key_env": "<hidden: must be the NAME of the environment variable holding the "
+                                           "key, e.g. OPENAI_API_KEY, never the key itself>"}
+        return data
+
+
+class ReplayJudgeConfig(EndpointConfig):
     """An LLM judge comparing the model's final answer with the accepted one (flywheel/envs/judge.py)."""
 
+    where: ClassVar[str] = "environment.replay.judge"
     model: str  # the served model name
-    base_url: str | None = None  # unset: the client's default (OPENAI_BASE_URL or OpenAI's)
-    api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")  # the variable's NAME, never the key
+    concurrency: Concurrency = 4
+    timeout_s: TimeoutS = 60.0
     weight: float = Field(0.2, gt=0)
     cache: str | None = ".flywheel/judge-cache.sqlite"  # under the project root; null: none
 
@@ -59,7 +93,7 @@ class ReplayConfig(Section):
         return self
 
 
-class UserConfig(Section):
+class UserConfig(EndpointConfig):
     """Who plays the user after each of the agent's answers (flywheel/envs/users.py).
 
     replay: the recorded user turns, in order, one after each answer; when they run out the conversation ends.
@@ -69,14 +103,12 @@ class UserConfig(Section):
     none: the conversation ends at the agent's first answer (a single-turn task).
     """
 
+    where: ClassVar[str] = "environment.user"
     kind: Literal["replay", "openai", "none"] = "replay"
     model: str | None = None  # openai: the served model name
-    base_url: str | None = None  # unset: the client's default (OPENAI_BASE_URL or OpenAI's)
-    api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")  # the variable's NAME, never the key
-    concurrency: int = Field(8, ge=1, le=512)
-    timeout_s: float = Field(60.0, gt=0)
-    max_retries: int = Field(4, ge=0, le=20)
-    breaker_failures: int = Field(10, ge=1)
+    concurrency: Concurrency = 8
+    timeout_s: TimeoutS = 60.0
+    max_retries: MaxRetries = 4
     temperature: float = Field(0.0, ge=0)
     max_new_tokens: int = Field(256, ge=1)
     price_input_per_mtok: float = Field(0.0, ge=0)
@@ -162,20 +194,12 @@ class StudentConfig(Section):
     device: str = Field("auto", pattern=DEVICE_PATTERN)
 
 
-class TeacherConfig(Section):
+class TeacherConfig(EndpointConfig):
+    where: ClassVar[str] = "teacher"
     # none: no teacher at all; the accepted traces are the only targets (synthesize.include_accepted_traces)
     policy: Literal["oracle", "openai", "vllm", "hf", "none"] = "oracle"
     # openai: the served model name; vllm and hf: a checkpoint folder or hub id
     model: str | None = None
-    # e.g. http://localhost:8000/v1 (vLLM's server); unset: the client's default (OPENAI_BASE_URL or OpenAI's)
-    base_url: str | None = None
-    # The NAME of the environment variable holding the key; a key itself never goes in this file.
-    api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")
-    concurrency: int = Field(16, ge=1, le=512)  # requests in flight at once
-    timeout_s: float = Field(120.0, gt=0)  # per request; a hang past it is retried
-    max_retries: int = Field(6, ge=0, le=20)  # per request, on 429, 5xx, timeouts and dropped connections
-    # this many failed attempts in a row (any request) mean the endpoint is down: the stage stops
-    breaker_failures: int = Field(10, ge=1)
     price_input_per_mtok: float = Field(0.0, ge=0)  # USD per million prompt tokens
     price_output_per_mtok: float = Field(0.0, ge=0)  # USD per million completion tokens
     # SQLite response cache under the project root (null: none): reruns make no calls, a killed run resumes
@@ -189,16 +213,6 @@ class TeacherConfig(Section):
     error_rate: float = Field(0.0, ge=0, le=1)
     error_slices: list[str] = []
     error_seed: int = 0
-
-    @model_validator(mode="before")
-    @classmethod
-    def _hide_pasted_keys(cls, data):
-        # A value that is not an UPPER_CASE variable name may be a pasted key: the error must not print it.
-        value = data.get("api_key_env") if isinstance(data, dict) else None
-        if isinstance(value, str) and not (value.isascii() and value.isidentifier() and value == value.upper()):
-            data = {**data, "api_key_env": "<hidden: must be the NAME of the environment variable holding the "
-                                           "key, e.g. OPENAI_API_KEY, never the key itself>"}
-        return data
 
     @model_validator(mode="after")
     def _usable(self) -> TeacherConfig:
@@ -405,16 +419,17 @@ class SFTConfig(Section):
     processes: int = Field(2, ge=1)  # processes accelerate starts (one per GPU; gloo on CPU)
 
 
-class OPDConfig(Section):
+class OPDConfig(EndpointConfig):
     """On-policy distillation (rl.objective opd or reward+opd): the teacher judges every token the student wrote.
     `sampled`: its log-probability of the sampled token gives that token the advantage -kl_coef * (log p_student
     - log p_teacher); `reverse` / `forward`: kl_coef times the exact KL over the vocabulary is a loss term."""
 
     # A checkpoint folder (under the project root, or absolute) whose tokenizer is the student's; with base_url,
     # the model name a server over the OpenAI protocol serves (vLLM: its completions API with prompt_logprobs).
+    # A server is retried like the teacher's client (429, 5xx, timeouts); past the retries the step's groups are
+    # dropped and counted, never trained on without the teacher.
+    where: ClassVar[str] = "rl.opd"
     teacher: str
-    base_url: str | None = None
-    api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")  # the variable's NAME, never the key
     kl_coef: float = Field(1.0, gt=0)  # the weight of the per-token divergence from the teacher
     # sampled: the reverse KL estimated at the token the student sampled, as that token's advantage (any teacher);
     # reverse / forward: the exact KL(student || teacher) / KL(teacher || student) over the whole vocabulary at
@@ -423,12 +438,6 @@ class OPDConfig(Section):
     divergence: Literal["sampled", "reverse", "forward"] = "sampled"
     reward_coef: float = Field(1.0, ge=0)  # reward+opd: the weight of the group advantage of the task reward
     device: str = Field("auto", pattern=DEVICE_PATTERN)  # a local teacher's (the learner runs it)
-    # server: retried like the teacher's client (429, 5xx, timeouts); past the retries the step's groups are
-    # dropped and counted, never trained on without the teacher
-    concurrency: int = Field(16, ge=1, le=512)
-    timeout_s: float = Field(120.0, gt=0)
-    max_retries: int = Field(6, ge=0, le=20)
-    breaker_failures: int = Field(10, ge=1)  # this many failed attempts in a row: the endpoint is down
     # a token whose teacher log-probability is NaN or infinite leaves the loss (counted); past this share of
     # the run's tokens the run stops with an error
     max_nonfinite_fraction: float = Field(0.01, ge=0, le=1)
@@ -532,21 +541,16 @@ class RLConfig(Section):
         return self
 
 
-class ReferenceConfig(Section):
-    """A policy scored beside the candidate on the same held-out tasks (evaluate.references); never gated on."""
+class ReferenceConfig(EndpointConfig):
+    """A policy scored beside the candidate on the same held-out tasks (evaluate.references); never gated on.
+    openai: retried like the teacher; past the retries (or the breaker) its row is marked incomplete."""
 
+    where: ClassVar[str] = "evaluate.references"
     name: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_.-]*$")  # its row in the eval table; not a model's label
     policy: Literal["openai", "hf", "vllm"] = "openai"
     model: str  # openai: the served model name; hf and vllm: a checkpoint folder or hub id
-    base_url: str | None = None  # openai: e.g. https://api.openai.com/v1; unset: OPENAI_BASE_URL or OpenAI's
-    api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")  # the variable's NAME, never the key
     price_input_per_mtok: float = Field(0.0, ge=0)  # USD per million prompt tokens
     price_output_per_mtok: float = Field(0.0, ge=0)  # USD per million completion tokens
-    # openai: retried like the teacher; past the retries (or the breaker) its row is marked incomplete
-    concurrency: int = Field(16, ge=1, le=512)
-    timeout_s: float = Field(120.0, gt=0)
-    max_retries: int = Field(6, ge=0, le=20)
-    breaker_failures: int = Field(10, ge=1)
     cache: str | None = ".flywheel/reference-cache.sqlite"  # under the project root; null: none
     device: str = Field("auto", pattern=DEVICE_PATTERN)  # hf and vllm
 

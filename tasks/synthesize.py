@@ -110,6 +110,6 @@ def build_teacher(cfg: TeacherConfig, env: Environment, root: Path) -> Policy | 
         if cfg.policy == "hf":
             return get_policy("hf", model_or_path=model, device=cfg.device)
         return get_policy("vllm", model=model, device=cfg.device)
-    return get_policy("openai", model=cfg.model, base_url=cfg.base_url, api_key_env=cfg.api_key_env,
-                      concurrency=cfg.concurrency, timeout_s=cfg.timeout_s, max_retries=cfg.max_retries,
-                      breaker_failures=cfg.breaker_failures, cache=root / cfg.cache if cfg.cache else None)
+    from flywheel.policies.openai import OpenAIPolicy
+
+    return OpenAIPolicy.from_endpoint(cfg, root)

@@ -133,3 +133,34 @@ def test_cli_check_names_a_missing_opd_teacher(tmp_path):
     assert result.exit_code == 2
     assert "pipelines.demo.rl.opd.teacher" in result.output and "models/teacher: no such checkpoint folder" \
         in result.output
+
+
+PASTED = "sk-proj-Pasted0Key1Never2Echoed3"
+
+
+@pytest.mark.parametrize("section, key", [
+    ("teacher", "teacher.api_key_env"),
+    ("user", "environment.user.api_key_env"),
+    ("judge", "environment.replay.judge.api_key_env"),
+    ("reference", "evaluate.references.0.api_key_env"),
+    ("opd", "rl.opd.api_key_env"),
+])
+def test_a_key_pasted_into_any_endpoint_section_is_named_but_never_echoed(tmp_path, section, key):
+    data = _demo()
+    demo = data["pipelines"]["demo"]
+    endpoint = {"model": "m", "api_key_env": PASTED}
+    if section == "teacher":
+        demo["teacher"] = {"policy": "openai", **endpoint}
+    elif section == "user":
+        demo["environment"]["user"] = {"kind": "openai", **endpoint}
+    elif section == "judge":
+        demo["environment"]["replay"] = {"judge": endpoint}
+    elif section == "reference":
+        demo["evaluate"]["references"] = [{"name": "ref", **endpoint}]
+    else:
+        demo["rl"]["opd"] = {"teacher": "m", "base_url": "http://localhost:8000/v1", "api_key_env": PASTED}
+    with pytest.raises(ConfigError) as err:
+        load_pipelines(_write(tmp_path, data))
+    message = str(err.value)
+    assert f"pipelines.demo.{key}" in message and "never the key itself" in message
+    assert PASTED not in message and "Pasted0Key" not in message

@@ -170,3 +170,67 @@ def test_vllm_policy_is_lazy_and_names_what_it_needs():
     # no CUDA here: the policy says so before it would import vLLM (where CUDA is, a missing vLLM names the extra)
     with pytest.raises((ImportError, RuntimeError), match="CUDA GPU only|GPU host"):
         get_policy("vllm", model="any")
+
+
+def _teacher(cfg, root):
+    from tasks.synthesize import build_teacher
+
+    return build_teacher(cfg, ENV, root)
+
+
+def _user(cfg, root):
+    from flywheel.envs.users import LLMUser
+
+    return LLMUser.from_config(cfg, root)._policy()
+
+
+def _judge(cfg, root):
+    from flywheel.envs.judge import JudgeReward
+
+    return JudgeReward.from_config("Answer: {final}\nSCORE: <0..1>", cfg, root)._policy()
+
+
+def _reference(cfg, root):
+    from flywheel.evaluate.arms import reference_arm
+
+    return reference_arm(cfg, root).make()
+
+
+def _opd_teacher(cfg, root):
+    from flywheel.train.rl.teacher import ServerTeacher
+
+    return ServerTeacher(cfg).client
+
+
+# Each endpoint section, the code that builds its client, and the client's limits when the section sets none
+# (concurrency, timeout_s, max_retries, breaker_failures): the values each of them had before EndpointConfig.
+ENDPOINTS = {
+    "teacher": ("TeacherConfig", {"policy": "openai", "model": "m"}, _teacher, (16, 120.0, 6, 10)),
+    "environment.user": ("UserConfig", {"kind": "openai", "model": "m"}, _user, (8, 60.0, 4, 10)),
+    "environment.replay.judge": ("ReplayJudgeConfig", {"model": "m"}, _judge, (4, 60.0, 6, 10)),
+    "evaluate.references": ("ReferenceConfig", {"name": "ref", "model": "m"}, _reference, (16, 120.0, 6, 10)),
+    "rl.opd": ("OPDConfig", {"teacher": "m"}, _opd_teacher, (16, 120.0, 6, 10)),
+}
+
+
+@pytest.mark.parametrize("section", ENDPOINTS)
+def test_every_endpoint_section_builds_its_client_from_its_own_settings(section, tmp_path, monkeypatch):
+    import flywheel.config
+
+    name, required, build, defaults = ENDPOINTS[section]
+    cls = getattr(flywheel.config, name)
+    default = build(cls(**required), tmp_path)
+    assert (default.concurrency, default.timeout_s, default.max_retries, default.breaker_failures) == defaults
+    assert default.model == "m" and default.base_url is None and default.section == section
+    default.close()
+
+    monkeypatch.setenv("ENDPOINT_TEST_KEY", "sk-endpoint-test-0123456789")
+    settings = {"base_url": "http://127.0.0.1:9/v1", "api_key_env": "ENDPOINT_TEST_KEY", "concurrency": 3,
+                "timeout_s": 7.5, "max_retries": 2, "breaker_failures": 5}
+    has_cache = "cache" in cls.model_fields
+    client = build(cls(**required, **settings, **({"cache": "caches/c.sqlite"} if has_cache else {})), tmp_path)
+    assert {key: getattr(client, key) for key in settings} == settings
+    assert client._api_key == "sk-endpoint-test-0123456789"
+    cache = client.cache.path if client.cache is not None else None
+    assert cache == (tmp_path / "caches/c.sqlite" if has_cache else None)
+    client.close()

@@ -98,3 +98,18 @@ def test_the_teacher_key_is_nowhere_but_on_the_wire(root, openai_server, monkeyp
         for key in (KEY, WRONG):
             assert key not in text, f"{key} in {where}"
     assert places["mlflow (stage run)"].count(KEY_ENV) >= 1, "the variable's name is logged, not its value"
+
+
+def test_a_key_pasted_as_eval_api_key_env_is_refused_without_echoing_it(tmp_path):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    shutil.copy(Path(__file__).resolve().parent.parent / "pipelines.yaml", tmp_path / "pipelines.yaml")
+    pasted = "sk-proj-Pasted0Key1On2The3Command4Line"
+    result = CliRunner().invoke(app, ["eval", "demo", "--policy", "openai:m", "--api-key-env", pasted,
+                                      "--root", str(tmp_path)])
+    assert result.exit_code == 2 and "api_key_env" in result.output and "never the key itself" in result.output
+    assert "Pasted0Key" not in result.output

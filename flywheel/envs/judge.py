@@ -13,6 +13,7 @@ import re
 import threading
 from pathlib import Path
 
+from flywheel.config import ReplayJudgeConfig
 from flywheel.contract import Task
 from flywheel.policies.base import Sampling
 
@@ -43,13 +44,15 @@ class JudgeReward:
     """A reward fn(task, messages, state) asking a model for a verdict; counts what it could not parse."""
 
     def __init__(self, template: str, *, model: str, base_url: str | None = None, api_key_env: str | None = None,
-                 name: str = "judge", concurrency: int = 4, timeout_s: float = 60.0, max_retries: int = 6,
-                 breaker_failures: int = 10, cache: str | Path | None = None, price_input_per_mtok: float = 0.0,
-                 price_output_per_mtok: float = 0.0, max_new_tokens: int = 256):
+                 name: str = "judge", cache: str | Path | None = None, root: str | Path | None = None,
+                 price_input_per_mtok: float = 0.0, price_output_per_mtok: float = 0.0, max_new_tokens: int = 256,
+                 **settings):
+        """settings: the endpoint's limits (concurrency, timeout_s, max_retries, breaker_failures), with
+        ReplayJudgeConfig's defaults; `cache` (none by default) is read from `root`."""
         self.template, self.__name__ = template, name
-        self.model, self.base_url, self.api_key_env = model, base_url, api_key_env
-        self.options = {"concurrency": concurrency, "timeout_s": timeout_s, "max_retries": max_retries,
-                        "breaker_failures": breaker_failures, "cache": cache}
+        self.cfg = ReplayJudgeConfig(model=model, base_url=base_url, api_key_env=api_key_env,
+                                     cache=str(cache) if cache else None, **settings)
+        self.root = root
         self.prices = (price_input_per_mtok, price_output_per_mtok)
         self.sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens)
         self.counters = {"judge_calls": 0, "judge_unparseable": 0, "judge_prompt_tokens": 0,
@@ -58,12 +61,17 @@ class JudgeReward:
         self._client = None
         render(template, Task("t", "", [{"role": "user", "content": ""}], "{}", ""), [])  # a bad field fails now
 
+    @classmethod
+    def from_config(cls, template: str, cfg: ReplayJudgeConfig, root: str | Path | None = None) -> JudgeReward:
+        """The judge environment.replay.judge describes; its cache path is read from `root`."""
+        return cls(template, **cfg.model_dump(exclude={"weight"}), root=root)
+
     def _policy(self):
         # built on first use, in the process that scores (an RL actor builds its own)
         if self._client is None:
             from flywheel.policies.openai import OpenAIPolicy
 
-            self._client = OpenAIPolicy(self.model, self.base_url, self.api_key_env, **self.options)
+            self._client = OpenAIPolicy.from_endpoint(self.cfg, self.root)
         return self._client
 
     def __call__(self, task: Task, messages: list[dict], state: object = None) -> float:

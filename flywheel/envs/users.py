@@ -23,6 +23,7 @@ import re
 import threading
 from pathlib import Path
 
+from flywheel.config import UserConfig
 from flywheel.contract import STOP, UserError
 from flywheel.policies.base import Sampling
 
@@ -98,36 +99,30 @@ class LLMUser:
     """A model over the OpenAI protocol playing the customer of a scenario; counts requests, stops and errors."""
 
     def __init__(self, model: str, base_url: str | None = None, api_key_env: str | None = None, *,
-                 concurrency: int = 8, timeout_s: float = 60.0, max_retries: int = 4, breaker_failures: int = 10,
-                 temperature: float = 0.0, max_new_tokens: int = 256, seed: int = 0,
-                 price_input_per_mtok: float = 0.0, price_output_per_mtok: float = 0.0,
-                 cache: str | Path | None = None):
+                 cache: str | Path | None = None, root: str | Path | None = None, seed: int = 0, **settings):
+        """settings: UserConfig's (concurrency, timeout_s, max_retries, breaker_failures, temperature,
+        max_new_tokens, prices) with its defaults; `cache` (none by default) is read from `root`."""
         if not model:
             raise ValueError("a simulated user needs a model name (environment.user.model)")
-        self.model, self.base_url, self.api_key_env = model, base_url, api_key_env
-        self.options = {"concurrency": concurrency, "timeout_s": timeout_s, "max_retries": max_retries,
-                        "breaker_failures": breaker_failures, "cache": cache}
-        self.sampling = Sampling(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-        self.prices = (price_input_per_mtok, price_output_per_mtok)
+        self.cfg = UserConfig(kind="openai", model=model, base_url=base_url, api_key_env=api_key_env,
+                              cache=str(cache) if cache else None, **settings)
+        self.root = root
+        self.sampling = Sampling(temperature=self.cfg.temperature, max_new_tokens=self.cfg.max_new_tokens, seed=seed)
+        self.prices = (self.cfg.price_input_per_mtok, self.cfg.price_output_per_mtok)
         self.counters = {"user_requests": 0, "user_failures": 0, "user_stops": 0, "user_scenarios": 0,
                          "user_prompt_tokens": 0, "user_completion_tokens": 0, "user_cost_usd": 0.0}
         self._lock = threading.Lock()
         self._client = None
 
     @classmethod
-    def from_config(cls, cfg, root: str | Path | None = None) -> LLMUser:
+    def from_config(cls, cfg: UserConfig, root: str | Path | None = None) -> LLMUser:
         """The simulator a `UserConfig` of kind openai describes; its cache path is read from `root`."""
         if cfg.kind != "openai":
             raise ValueError(f"environment.user.kind is '{cfg.kind}'; an LLM user needs kind 'openai'")
-        cache = Path(root or ".") / cfg.cache if cfg.cache else None
-        return cls(cfg.model, cfg.base_url, cfg.api_key_env, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
-                   max_retries=cfg.max_retries, breaker_failures=cfg.breaker_failures,
-                   temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                   price_input_per_mtok=cfg.price_input_per_mtok, price_output_per_mtok=cfg.price_output_per_mtok,
-                   cache=cache)
+        return cls(**cfg.model_dump(exclude={"kind"}), root=root)
 
     def __repr__(self) -> str:
-        return f"LLMUser(model={self.model!r}, base_url={self.base_url!r})"
+        return f"LLMUser(model={self.cfg.model!r}, base_url={self.cfg.base_url!r})"
 
     # --- the two requests
 
@@ -166,7 +161,7 @@ class LLMUser:
         except TeacherError as err:
             self._count(user_failures=1)
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise UserError(f"the simulated user's model '{self.model}' wrote no {what}: {reason}") from None
+            raise UserError(f"the simulated user's model '{self.cfg.model}' wrote no {what}: {reason}") from None
         tokens_in = int(completion.usage.get("prompt_tokens", 0))
         tokens_out = int(completion.usage.get("completion_tokens", 0))
         self._count(user_prompt_tokens=tokens_in, user_completion_tokens=tokens_out,
@@ -174,10 +169,10 @@ class LLMUser:
         text = (completion.text or "").strip()
         if completion.message.get("tool_calls") or completion.error or "<tool_call>" in text:
             self._count(user_failures=1)
-            raise UserError(f"the simulated user's model '{self.model}' answered with a tool call, not a {what}")
+            raise UserError(f"the simulated user's model '{self.cfg.model}' answered with a tool call, not a {what}")
         if not text:
             self._count(user_failures=1)
-            raise UserError(f"the simulated user's model '{self.model}' answered with no text, not a {what}")
+            raise UserError(f"the simulated user's model '{self.cfg.model}' answered with no text, not a {what}")
         return text
 
     def _policy(self):
@@ -187,7 +182,7 @@ class LLMUser:
                 from flywheel.policies.openai import OpenAIPolicy, TeacherError
 
                 try:
-                    self._client = OpenAIPolicy(self.model, self.base_url, self.api_key_env, **self.options)
+                    self._client = OpenAIPolicy.from_endpoint(self.cfg, self.root)
                 except TeacherError as err:  # the key's variable is unset
                     self.counters["user_failures"] += 1
                     raise UserError(f"the simulated user's model cannot be asked: {err}") from None

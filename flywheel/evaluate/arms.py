@@ -60,9 +60,9 @@ def reference_arm(ref: ReferenceConfig, root: Path, batch_size: int = 64) -> Arm
     prices = (ref.price_input_per_mtok, ref.price_output_per_mtok)
     if ref.policy == "openai":
         def make() -> Policy:
-            return get_policy("openai", model=ref.model, base_url=ref.base_url, api_key_env=ref.api_key_env,
-                              concurrency=ref.concurrency, timeout_s=ref.timeout_s, max_retries=ref.max_retries,
-                              breaker_failures=ref.breaker_failures, cache=root / ref.cache if ref.cache else None)
+            from flywheel.policies.openai import OpenAIPolicy
+
+            return OpenAIPolicy.from_endpoint(ref, root)
 
         return Arm(ref.name, make, f"{ref.model} at {ref.base_url or 'OPENAI_BASE_URL'}", prices, remote=True,
                    chunk=ref.concurrency)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx2  # the openai client's own HTTP library
 import openai
@@ -29,6 +30,9 @@ import orjson
 from flywheel.policies.base import Completion, Sampling
 from flywheel.policies.cache import ResponseCache, request_key, sample_indexes
 from flywheel.policies.toolcalls import parse_completion, render_tool_call
+
+if TYPE_CHECKING:
+    from flywheel.config import EndpointConfig
 
 MAX_RETRY_AFTER_S = 600.0
 # what `stats` counts: HTTP attempts, fresh answers, answers from the cache, retries and why, fresh tokens
@@ -55,7 +59,7 @@ class OpenAIPolicy:
         self.section = section  # the config section its settings come from, for the messages
         self.base_url = base_url
         self.api_key_env = api_key_env
-        self._api_key = _read_key(api_key_env)  # held here only; never logged or put in an error
+        self._api_key = _read_key(api_key_env, section)  # held here only; never logged or put in an error
         self.concurrency = concurrency
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -67,6 +71,16 @@ class OpenAIPolicy:
         self._failures_in_a_row = 0
         self._stopped: str | None = None  # why the breaker opened; every later request fails fast with it
         self._resume_at = 0.0  # monotonic time before which no request starts (a Retry-After for everyone)
+
+    @classmethod
+    def from_endpoint(cls, cfg: EndpointConfig, root: str | Path | None = None, *,
+                      model: str | None = None) -> OpenAIPolicy:
+        """The client of an endpoint section: its model (`model` where the section names it otherwise), URL, key's
+        variable, limits, and its response cache (under `root`) where the section has one; messages name it."""
+        cache = getattr(cfg, "cache", None)  # rl.opd has no cache: its requests go through post_many, uncached
+        return cls(model or cfg.model, cfg.base_url, cfg.api_key_env, concurrency=cfg.concurrency,
+                   timeout_s=cfg.timeout_s, max_retries=cfg.max_retries, breaker_failures=cfg.breaker_failures,
+                   cache=Path(root or ".") / cache if cache else None, section=cfg.where)
 
     def __repr__(self) -> str:
         return f"OpenAIPolicy(model={self.model!r}, base_url={self.base_url!r}, api_key_env={self.api_key_env!r})"
@@ -293,12 +307,12 @@ def _tls_context():
     return httpx2.create_ssl_context()
 
 
-def _read_key(api_key_env: str | None) -> str:
+def _read_key(api_key_env: str | None, section: str) -> str:
     if not api_key_env:
         return "EMPTY"  # vLLM's server and most local endpoints accept any key; the client requires one
     key = os.environ.get(api_key_env)
     if not key:
-        raise TeacherError(f"teacher.api_key_env names ${api_key_env}, which is not set in this environment "
+        raise TeacherError(f"{section}.api_key_env names ${api_key_env}, which is not set in this environment "
                            "(export it; the key itself never goes in pipelines.yaml)")
     return key
 

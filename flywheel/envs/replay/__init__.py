@@ -77,10 +77,7 @@ class ReplayEnv(Environment):
         if self.cfg.judge is not None:
             from flywheel.envs.judge import JudgeReward
 
-            judge = self.cfg.judge
-            cache = (Path(root or ".") / judge.cache) if judge.cache else None
-            self._judge = JudgeReward(JUDGE_TEMPLATE, model=judge.model, base_url=judge.base_url,
-                                      api_key_env=judge.api_key_env, cache=cache)
+            self._judge = JudgeReward.from_config(JUDGE_TEMPLATE, self.cfg.judge, root)
         self._recorded: list[Task] | None = None
         self._made: dict[str, dict] = {}  # tool schemas of the tasks built here (collect), by name
 

@@ -105,9 +105,7 @@ class ServerTeacher:
         from flywheel.policies.openai import OpenAIPolicy
 
         self.cfg = cfg
-        self.client = OpenAIPolicy(cfg.teacher, cfg.base_url, cfg.api_key_env, concurrency=cfg.concurrency,
-                                   timeout_s=cfg.timeout_s, max_retries=cfg.max_retries,
-                                   breaker_failures=cfg.breaker_failures, section="rl.opd")
+        self.client = OpenAIPolicy.from_endpoint(cfg, model=cfg.teacher)
         self.name = f"teacher '{cfg.teacher}' at {self.client.endpoint}"
 
     def _ask(self, sequences: list[list[int]]) -> list[list[float]]:
