@@ -30,6 +30,7 @@ import httpx
 
 from flows.names import ENTRYPOINTS, FLOWS, RETRAIN_FLOW, SENSOR_FLOW, STAGE_FLOW, deployment_name
 from flywheel.config import PipelineConfig
+from flywheel.errors import UserFacingError
 from flywheel.stages import ORDER
 
 TAG = "flywheel"
@@ -136,7 +137,7 @@ def deploy(root: Path, pool: str, wanted: list[Planned], job_variables: dict | N
     return reconcile(wanted, pool, root)
 
 
-class DeployError(RuntimeError):
+class DeployError(UserFacingError, RuntimeError):
     """A deployment cannot be made; the message says what to do."""
 
 

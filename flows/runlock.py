@@ -27,13 +27,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from flywheel.errors import UserFacingError
 from flywheel.settings import state_dir
 
 log = logging.getLogger(__name__)
 _WAIT_POLL_S = 1.0
 
 
-class PipelineBusy(RuntimeError):
+class PipelineBusy(UserFacingError, RuntimeError):
     """Another run of the pipeline holds its lock."""
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from flows.deployments import serving
+from flywheel.errors import UserFacingError
 from flywheel.settings import state_dir
 
 BIN = Path(sys.executable).parent
@@ -50,7 +51,7 @@ HEARTBEAT_GRACE_S = 75
 CRASH_AUTOMATION = "flywheel-crash-silent-flow-runs"
 
 
-class StackError(RuntimeError):
+class StackError(UserFacingError, RuntimeError):
     """The stack cannot start (a port taken, PostgreSQL missing) or is not up; the message says what to do."""
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.names import STAGE_FLOW, stage_deployment
+from flywheel.errors import UserFacingError
 from flywheel.stages import StageResult
 from tasks.kernel import stage_by_name
 
 
-class StageJobError(RuntimeError):
+class StageJobError(UserFacingError, RuntimeError):
     """A stage to run as its own job has no deployment, or its job ended without completing; the message says
     which and what to do."""
 

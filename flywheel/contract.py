@@ -15,6 +15,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
+from flywheel.errors import UserFacingError
+
 
 @dataclass(frozen=True)
 class Task:
@@ -51,11 +53,11 @@ class ToolError(Exception):
     """A tool refused or failed; its message goes back to the model as the tool result."""
 
 
-class RubricError(ValueError):
+class RubricError(UserFacingError, ValueError):
     """A reward function returned NaN, a value outside [0, 1] or not a number: a bug in the environment."""
 
 
-class UserError(RuntimeError):
+class UserError(UserFacingError, RuntimeError):
     """The simulated user could not answer (its model failed after retries, its script raised): the harness marks
     the episode `user_error`, counts it and leaves it out of every score; it is never the agent's failure."""
 

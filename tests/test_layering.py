@@ -22,10 +22,11 @@ PACKAGES = ("flywheel", "tasks", "flows")
 
 # The parts of flywheel/, bottom first; each imports only from the layers below it.
 LAYERS = (
+    # the base class of the errors a user can fix (the environment contract's errors are such errors)
+    ("flywheel.errors",),
     # plain facts that need nothing of the project: the environment contract (Task, Score, Environment, the
-    # prompt hash), the stage names, metric names, the embedded defaults, device settings, the package's version,
-    # the base class of the errors a user can fix
-    ("flywheel", "flywheel.errors", "flywheel.contract", "flywheel.stages", "flywheel.metrics", "flywheel.settings",
+    # prompt hash), the stage names, metric names, the embedded defaults, device settings, the package's version
+    ("flywheel", "flywheel.contract", "flywheel.stages", "flywheel.metrics", "flywheel.settings",
      "flywheel.devices"),
     # pipelines.yaml as checked models; MLflow's runs and registry; student checkpoints on disk
     ("flywheel.config", "flywheel.registry", "flywheel.checkpoints"),

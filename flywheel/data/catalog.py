@@ -13,6 +13,7 @@ import pandas as pd
 import pandera.pandas as pa
 
 from flywheel.data import schemas
+from flywheel.errors import UserFacingError
 
 # table name -> (the stage that writes it, its schema)
 TABLES: dict[str, tuple[str, type[schemas.Strict]]] = {
@@ -30,7 +31,7 @@ TABLES: dict[str, tuple[str, type[schemas.Strict]]] = {
 BASE_SOURCE = "SOURCE"
 
 
-class DataError(ValueError):
+class DataError(UserFacingError, ValueError):
     """A table is missing or breaks its contract; the message names the file and the failing checks."""
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from flywheel.config import OutcomeRule, SourceConfig
+from flywheel.errors import UserFacingError
 
 
 class BadRecord(ValueError):
@@ -25,7 +26,7 @@ class BadRecord(ValueError):
         return type(self), (self.kind, str(self))
 
 
-class SourceError(RuntimeError):
+class SourceError(UserFacingError, RuntimeError):
     """A source cannot be read at all (no such bucket, no access, no such experiment); names the source."""
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from flywheel.contract import Environment, RubricError, Score, Task, ToolError
 from flywheel.envs.sdk import FILES_READ, PROJECT_ROOT
+from flywheel.errors import UserFacingError
 
 __all__ = ["Environment", "Score", "Task", "ToolError", "RubricError", "EnvironmentLoadError", "get_environment",
            "environment_names", "entry_point_environments", "environment_sources", "load_environment"]
@@ -29,7 +30,7 @@ _BUILTIN_FOLDER = Path(__file__).resolve().parent
 _FILES_READ: dict[tuple, list[Path]] = {}
 
 
-class EnvironmentLoadError(ValueError):
+class EnvironmentLoadError(UserFacingError, ValueError):
     """An environment could not be built; the message names the config key, the module and the cause."""
 
 

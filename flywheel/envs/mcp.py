@@ -26,11 +26,12 @@ from contextlib import AsyncExitStack
 from datetime import timedelta
 
 from flywheel.contract import ToolError
+from flywheel.errors import UserFacingError
 
 _CONFIG_KEYS = {"command", "url", "env", "cwd", "headers", "timeout_s", "startup_timeout_s"}
 
 
-class McpError(RuntimeError):
+class McpError(UserFacingError, RuntimeError):
     """An MCP server could not be started, listed or reached (not a tool's own error, which is a ToolError)."""
 
 

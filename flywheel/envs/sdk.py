@@ -64,6 +64,7 @@ from flywheel.contract import (
     prompt_excerpt,
     prompt_hash,
 )
+from flywheel.errors import UserFacingError
 
 __all__ = ["Env", "Reward", "Score", "Task", "ToolError", "SchemaError", "RubricError", "UserError", "STOP",
            "tasks_from_file", "tool_schema", "TaskFile"]
@@ -77,7 +78,7 @@ FILES_READ: ContextVar[list[Path] | None] = ContextVar("flywheel_files_read", de
 COUNTERS = ("tool_calls", "tool_errors", "tool_refusals", "tool_bad_returns", "tool_timeouts", "bad_calls")
 
 
-class SchemaError(TypeError):
+class SchemaError(UserFacingError, TypeError):
     """A tool's schema cannot be derived from its signature (an untyped parameter, an unsupported type)."""
 
 

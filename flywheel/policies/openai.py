@@ -27,6 +27,7 @@ import httpx2  # the openai client's own HTTP library
 import openai
 import orjson
 
+from flywheel.errors import UserFacingError
 from flywheel.policies.base import Completion, Sampling
 from flywheel.policies.cache import ResponseCache, request_key, sample_indexes
 from flywheel.policies.toolcalls import parse_completion, render_tool_call
@@ -40,7 +41,7 @@ STATS = ("requests", "answers", "cache_hits", "retries", "rate_limited", "server
          "connection_errors", "tokens_in", "tokens_out")
 
 
-class TeacherError(RuntimeError):
+class TeacherError(UserFacingError, RuntimeError):
     """The endpoint cannot serve the batch: down, refusing the key, or rejecting requests. Stops the stage."""
 
 

@@ -26,13 +26,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from flywheel import registry
+from flywheel.errors import UserFacingError
 from flywheel.serving.chat import ChatEngine, RequestError, parse_request, stream_chunks
 from flywheel.serving.traffic import OUTCOMES, TrafficLog, UnknownAnswer
 
 log = logging.getLogger("flywheel.serve")
 
 
-class ServeError(RuntimeError):
+class ServeError(UserFacingError, RuntimeError):
     """The server cannot start: no version behind the alias, or no backend for this machine."""
 
 

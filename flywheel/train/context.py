@@ -29,6 +29,7 @@ from flywheel.checkpoints import (
 )
 from flywheel.config import PipelineConfig
 from flywheel.contract import Environment, Task
+from flywheel.errors import UserFacingError
 from flywheel.policies.base import Sampling
 from flywheel.policies.toolcalls import canonical_messages
 from flywheel.train.students import first_tasks, tiny_prompt
@@ -39,7 +40,7 @@ from flywheel.train.templates import training_template
 EVAL_MAX_NEW_TOKENS = Sampling().max_new_tokens
 
 
-class ContextError(ValueError):
+class ContextError(UserFacingError, ValueError):
     """The prompt and a turn's tokens, or a max_length, do not fit the student's context; the message names the
     lengths and the keys to change."""
 

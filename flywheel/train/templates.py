@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from flywheel.errors import UserFacingError
+
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 # Markers each family's templates write; the model_type of config.json decides first, these when it is unknown.
@@ -68,7 +70,7 @@ SMOLLM2_TRAINING_TEMPLATE = (
 TRAINING_VARIANTS = {SMOLLM2_TEMPLATE: SMOLLM2_TRAINING_TEMPLATE}
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UserFacingError, ValueError):
     """No training-compatible chat template for a student; the message says which family and what to do."""
 
 

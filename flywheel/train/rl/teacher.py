@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from flywheel.config import OPDConfig
+from flywheel.errors import UserFacingError
 
 # Text whose token ids are sent to the teacher at the start: the tokenizers must agree on every id of it.
 PROBE = "Check 12 + 345 = 357, then answer: {\"name\": \"calculator\"}."
 
 
-class OPDSetupError(ValueError):
+class OPDSetupError(UserFacingError, ValueError):
     """The teacher cannot serve on-policy distillation: missing, another tokenizer, or no log-probabilities."""
 
 
