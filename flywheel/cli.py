@@ -482,16 +482,16 @@ def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipe
 
 def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bool:
     """`check --solve` over each pipeline's environment: its report printed; False when one has errors."""
+    from flywheel.agent import load_harness
     from flywheel.dryrun import NoTasksError, dry_run, render
-    from flywheel.envs import load_environment
     from flywheel.settings import configure
 
     configure(root)
     clean = True
     for name, cfg in pipelines.items():
-        env = load_environment(cfg.environment, root, pipeline=name)  # replay: the pipeline's collected tasks
+        harness = load_harness(cfg.environment, root, pipeline=name)  # replay: the pipeline's collected tasks
         try:
-            report = dry_run(name, cfg, env, sample=sample)
+            report = dry_run(name, cfg, harness, sample=sample)
         except NoTasksError as err:
             if named:
                 _fail(str(err))
@@ -545,12 +545,13 @@ def _check_contexts(root: Path, pipelines: dict, built: dict) -> None:
 def _check_environments(root: Path, pipelines: dict) -> dict:
     """Build each pipeline's environment now (returned by pipeline name): an unknown factory, an import error or
     a factory that raises is an error naming the key, the module and the cause before any stage runs."""
-    from flywheel.envs import EnvironmentLoadError, load_environment
+    from flywheel.agent import load_harness
+    from flywheel.envs import EnvironmentLoadError
 
     built = {}
     for name, cfg in pipelines.items():
         try:
-            built[name] = load_environment(cfg.environment, root.resolve())
+            built[name] = load_harness(cfg.environment, root.resolve()).env
         except EnvironmentLoadError as err:
             _fail(f"{root / 'pipelines.yaml'}: pipelines.{name}.{err}")
     return built
