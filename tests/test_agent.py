@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import time
 from itertools import islice
 from pathlib import Path
@@ -108,6 +109,34 @@ def test_malformed_tool_call_is_shown_as_a_user_message(env):
     feedback = episode.messages[2]
     assert feedback["role"] == "user" and feedback["content"].startswith("Error: tool call 0 is not valid JSON")
     assert episode.passed and episode.turns == 3
+
+
+def test_malformed_tool_calls_in_a_row_end_the_episode_at_max_error_turns(env):
+    task = next(env.generate_tasks(0))
+    broken = parse_completion("<tool_call>{bad json</tool_call>")
+    good = call(json.dumps({"expression": "1 + 1"}))
+    # an error, a good call, then errors: only turns in a row count, so the second pair ends it (turn 4)
+    policy = Scripted(env, [broken, good, broken, broken, broken, broken])
+    (episode,) = Harness(env, Limits(max_turns=10, max_error_turns=2)).run(policy, [task])
+    assert episode.stop == "error_turns" and episode.turns == 4 and not episode.passed
+    assert env.counters["conversations_cut"] == 1  # counted as a cut, like the turn and token limits
+    (unlimited,) = Harness(env, Limits(max_turns=10)).run(policy, [task])  # by default errors never end it
+    assert unlimited.stop == "answer" and unlimited.turns == 7
+
+
+def test_limits_come_from_the_environment_section_and_the_harness_travels_whole(slow_tool_harness):
+    from flywheel.config import EnvironmentConfig
+
+    assert Limits.from_config(EnvironmentConfig()) == Limits()  # the defaults agree: an unset key changes nothing
+    section = EnvironmentConfig(max_turns=7, max_episode_tokens=100, tool_timeout_s=0.5, max_error_turns=3)
+    assert Limits.from_config(section) == Limits(max_turns=7, max_tokens=100, tool_timeout_s=0.5, max_error_turns=3)
+    # load_harness: the factory's environment under the section's limits; pickled (to an RL actor process), the
+    # environment is built again by its factory and the limits come along
+    assert slow_tool_harness.env.name == "slow"
+    assert slow_tool_harness.limits == Limits(max_turns=8, max_tokens=10, tool_timeout_s=0.05)
+    again = pickle.loads(pickle.dumps(slow_tool_harness))
+    assert again.limits == slow_tool_harness.limits and again.env is not slow_tool_harness.env
+    assert again.env.name == "slow" and again.env.tools() == slow_tool_harness.env.tools()
 
 
 def test_slow_tool_times_out(env):

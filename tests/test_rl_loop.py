@@ -245,3 +245,22 @@ def test_kl_to_the_starting_checkpoint_and_other_normalisations(student, tasks, 
     # the first minibatch starts at the reference itself (KL 0); the updates move the policy away from it
     assert trained and all(0.0 < m["kl"] < 1.0 for m in trained)
     assert all("kl" not in m for m in seen if m["updates"] == 0)
+
+
+def test_the_actors_rollout_runs_under_the_environments_tool_timeout_and_token_budget(slow_tool_harness,
+                                                                                      tool_caller, tiny_student):
+    """Each RL group is generated in the pipeline's harness: its tool timeout (not a fixed 2 s) and its token budget."""
+    from transformers import AutoTokenizer
+
+    from flywheel.train.rl.actor import rollout
+    from flywheel.train.rl.source import Work
+
+    tasks = list(slow_tool_harness.env.generate_tasks(0))
+    cfg = RLConfig(group_size=2, tasks_per_step=len(tasks), max_new_tokens=5, max_length=128)
+    groups = rollout(slow_tool_harness, tool_caller, AutoTokenizer.from_pretrained(str(tiny_student)),
+                     Work(step=0, tasks=tasks, seed=0), cfg, version=0)
+    episodes = len(tasks) * cfg.group_size
+    assert tool_caller.turns == 2  # cut by the 10-token budget, not the 8 turns
+    assert [r.tokens for g in groups for r in g.rollouts] == [10] * episodes
+    counters = slow_tool_harness.env.counters
+    assert counters["tool_timeouts"] == 2 * episodes and counters["conversations_cut"] == episodes

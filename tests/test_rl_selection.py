@@ -13,7 +13,7 @@ from flywheel.agent import Harness, Limits
 from flywheel.checkpoints import load_student
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.train.rl.loop import train_rl
-from flywheel.train.rl.selection import VALIDATION_PASS, VALIDATION_REWARD, validation_split
+from flywheel.train.rl.selection import VALIDATION_PASS, VALIDATION_REWARD, Selection, validation_split
 
 TASKS = list(itertools.islice(CalculatorEnv().generate_tasks(1), 16))
 KEEP = CFG.model_copy(update={"steps": 4, "tasks_per_step": 4, "lr": 2e-2, "keep_best": True,
@@ -94,3 +94,11 @@ def test_a_run_stopped_after_a_checkpoint_resumes_to_the_same_choice(tiny_studen
                                  "validation_pass_last")}
     a, b = weights(load_student(tmp_path / "whole")[0]), weights(load_student(tmp_path / "again" / "rl")[0])
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_validation_runs_under_the_environments_tool_timeout_and_token_budget(slow_tool_harness, tool_caller):
+    tasks = list(slow_tool_harness.env.generate_tasks(0))
+    check = Selection(slow_tool_harness, tasks, KEEP).check(0, tool_caller, torch.nn.Linear(1, 1))
+    assert check["best_version"] == 0 and tool_caller.turns == 2  # cut by the 10-token budget, not the 8 turns
+    counters = slow_tool_harness.env.counters
+    assert counters["tool_timeouts"] == 2 * len(tasks) and counters["conversations_cut"] == len(tasks)
