@@ -21,7 +21,7 @@ from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.config import load_pipeline
 from flywheel.envs import get_environment
 from flywheel.policies.base import Sampling
@@ -44,8 +44,8 @@ def pass_rates(episodes) -> dict[str, float]:
 def evaluate(env, path: Path, tasks, max_turns: int) -> tuple[dict[str, float], float, list]:
     policy = HFPolicy(path, batch_size=64)
     started = time.perf_counter()
-    episodes = run_episodes(env, policy, tasks, sampling=Sampling(temperature=0.0, max_new_tokens=64),
-                            max_turns=max_turns)
+    episodes = Harness(env, Limits(max_turns=max_turns)).run(policy, tasks,
+                                                             sampling=Sampling(temperature=0.0, max_new_tokens=64))
     return pass_rates(episodes), time.perf_counter() - started, episodes
 
 
@@ -93,7 +93,7 @@ def main() -> None:
     base_rates, base_eval_s, _ = evaluate(env, base, heldout, max_turns)
 
     rows = [{"messages": e.messages, "tools": env.tools()}
-            for e in run_episodes(env, OraclePolicy(env), train_tasks, max_turns=max_turns) if e.passed]
+            for e in Harness(env, Limits(max_turns=max_turns)).run(OraclePolicy(env), train_tasks) if e.passed]
 
     def show(step: int, m: dict) -> None:
         if step % 100 == 0 or step == sft_cfg.steps:

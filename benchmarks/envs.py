@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/envs.py [--tasks 2000] [--quick]
 
-Runs the support desk's oracle on generated tasks through the one harness (flywheel.agent.run_episodes: a fresh
+Runs the support desk's oracle on generated tasks through the one harness (flywheel.agent.Harness: a fresh
 database per episode, each tool call in the tool thread pool with its timeout, the oracle's turns, the rubric,
 the teardown), then replays the very same tool calls straight on the tool functions, each episode on its own
 fresh database, with nothing else. `ratio` is harness episodes/s over bare episodes/s: the share of the bare
@@ -16,7 +16,7 @@ import json
 import time
 from itertools import islice
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.envs import get_environment
 from flywheel.envs.support import db as database
 from flywheel.envs.support.tools import BY_NAME
@@ -44,9 +44,9 @@ def main() -> None:
 
     env = get_environment("support")
     tasks = list(islice(env.generate_tasks(0), args.tasks))
-    run_episodes(env, OraclePolicy(env), tasks[:8], max_turns=6)  # warm-up: imports, the database image
+    Harness(env, Limits(max_turns=6)).run(OraclePolicy(env), tasks[:8])  # warm-up: imports, the database image
     started = time.perf_counter()
-    episodes = run_episodes(env, OraclePolicy(env), tasks, max_turns=6)
+    episodes = Harness(env, Limits(max_turns=6)).run(OraclePolicy(env), tasks)
     harness_s = time.perf_counter() - started
     failed = [e for e in episodes if not e.passed]
     if failed:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.config import LoRAConfig, RLConfig, SFTConfig
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.evaluate.runner import evaluate_model
@@ -100,7 +100,7 @@ def rl_part(base: Path, env: CalculatorEnv, out: Path, size: dict, device: str) 
     cfg = RLConfig(steps=size["rl_steps"], tasks_per_step=size["tasks_per_step"], group_size=size["group"],
                    max_new_tokens=size["new_tokens"], minibatch_size=16, max_length=size["max_length"], lr=1e-5,
                    actors=1, actor_devices=[device], max_staleness=1, checkpoint_every=0)
-    rows, summary = train_rl(base, env, tasks, cfg, out, max_turns=2, device=device)
+    rows, summary = train_rl(base, Harness(env, Limits(max_turns=2)), tasks, cfg, out, device=device)
     tokens = sum(r["tokens"] for r in rows)
     return {"tokens_per_s": round(tokens / max(summary["steps_wall_s"], 1e-9), 1), "device": device,
             "actor_device": cfg.actor_devices[0], "steps": summary["steps"], "episodes": summary["episodes"],
@@ -110,7 +110,7 @@ def rl_part(base: Path, env: CalculatorEnv, out: Path, size: dict, device: str) 
 def eval_part(model: Path, env: CalculatorEnv, size: dict, device: str) -> dict:
     tasks = list(itertools.islice(env.generate_tasks(2), size["eval_tasks"]))
     started = time.perf_counter()
-    rows = evaluate_model(model, env, tasks, "check", max_turns=2, tool_timeout_s=2.0, batch_size=64,
+    rows = evaluate_model(model, Harness(env, Limits(max_turns=2, tool_timeout_s=2.0)), tasks, "check", batch_size=64,
                           device=device).rows
     seconds = time.perf_counter() - started
     return {"tokens_per_s": round(sum(r["tokens"] for r in rows) / seconds, 1), "device": device,
@@ -137,7 +137,7 @@ def main() -> None:
         base = make_qwen2(work / "base", size, env)
         oracle = OraclePolicy(env)
         tasks = list(itertools.islice(env.generate_tasks(0), size["conversations"]))
-        rows = [{"messages": e.messages, "tools": env.tools()} for e in run_episodes(env, oracle, tasks)]
+        rows = [{"messages": e.messages, "tools": env.tools()} for e in Harness(env).run(oracle, tasks)]
         gpu_memory()
         parts = {
             "sft_full": lambda: sft_part(base, rows, work / "full" / "sft", size, device, None),

@@ -32,7 +32,7 @@ import numpy as np
 from rl_gain import by_slice, scores  # benchmarks/ is the script's folder, first on sys.path
 from transformers.utils import logging as hf_logging
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.config import OPDConfig, TinyModelConfig, load_pipeline
 from flywheel.envs import load_environment
 from flywheel.evaluate.stats import paired_bootstrap
@@ -65,8 +65,8 @@ def build_teacher(folder: Path, pipeline, env, train, corpus: list[str], steps: 
     base = build_tiny_student(corpus, TinyModelConfig(hidden_size=tiny.hidden_size, layers=tiny.layers,
                                                       heads=tiny.heads, vocab_size=tiny.vocab_size, seed=1234),
                               folder.parent / "teacher-base")
-    episodes = run_episodes(env, OraclePolicy(env), train, max_turns=pipeline.environment.max_turns,
-                            sampling=Sampling())
+    episodes = Harness(env, Limits.from_config(pipeline.environment)).run(OraclePolicy(env), train,
+                                                                          sampling=Sampling())
     rows = [{"messages": e.messages, "tools": env.tools()} for e in episodes if e.passed]
     train_sft(base, rows, folder, pipeline.sft.model_copy(update={"steps": steps, "seed": 1234}))
     return {"conversations": len(rows)}
@@ -78,8 +78,9 @@ def build_sft(folder: Path, pipeline, env, train, corpus: list[str], seed: int) 
     base = build_tiny_student(corpus, cfg.student.tiny.model_copy(update={"seed": seed}), folder.parent / "base")
     teacher = OraclePolicy(env, error_rate=cfg.teacher.error_rate, error_slices=cfg.teacher.error_slices,
                            error_seed=cfg.teacher.error_seed)
-    episodes = run_episodes(env, teacher, train, samples=cfg.synthesize.samples_per_task,
-                            max_turns=cfg.environment.max_turns, sampling=Sampling())
+    episodes = Harness(env, Limits.from_config(cfg.environment)).run(teacher, train,
+                                                                     samples=cfg.synthesize.samples_per_task,
+                                                                     sampling=Sampling())
     rows = [{"messages": e.messages, "tools": env.tools()} for e in episodes if e.passed]
     train_sft(base, rows, folder, cfg.sft.model_copy(update={"seed": seed}))
     return {"conversations": len(rows), "teacher_pass_rate": round(float(np.mean([e.passed for e in episodes])), 4)}
@@ -87,16 +88,15 @@ def build_sft(folder: Path, pipeline, env, train, corpus: list[str], seed: int) 
 
 def improve(pipeline, env, train, heldout, sft: Path, out: Path, rl_cfg) -> dict:
     """RL or OPD from the SFT checkpoint into `out`: its summary's compute figures."""
-    max_turns = pipeline.environment.max_turns
-    monitor = Monitor(env, audit_sample(heldout, rl_cfg.monitor_tasks), rl_cfg, max_turns) \
-        if rl_cfg.monitor_every else None
+    harness = Harness(env, Limits.from_config(pipeline.environment))
+    monitor = Monitor(harness, audit_sample(heldout, rl_cfg.monitor_tasks), rl_cfg) if rl_cfg.monitor_every else None
     started = time.perf_counter()
     curve = []  # rl.keep_best's validation pass rate at each check: where a run that keeps version 0 went
 
     def on_step(step: int, metrics: dict) -> None:
         if "validation_pass" in metrics:
             curve.append([step + 1, round(metrics["validation_pass"], 4)])
-    rows, summary = train_rl(sft, env, train, rl_cfg, out, max_turns=max_turns, monitor=monitor,
+    rows, summary = train_rl(sft, harness, train, rl_cfg, out, monitor=monitor,
                              checkpoint_dir=out.parent / f"{out.name}-checkpoints", on_step=on_step)
     return {"wall_s": round(time.perf_counter() - started, 1), "episodes": len(rows),
             "generated_tokens": int(summary.get("generated_tokens", 0)),

@@ -17,7 +17,7 @@ steps, learning rate (constant, AdamW, no weight decay), clip epsilon, grad-norm
 one pass over each batch in one minibatch (epochs_per_batch / num_iterations 1), no KL (beta 0), two CPU threads
 each (the project: one learner and one actor thread, or both to the learner when it has no actor: `--sync`,
 `--smol`). RL is full-parameter in both: the project's rl stage has no LoRA, so TRL gets none either. Each
-trained checkpoint is scored greedily on the same held-out tasks in the project's harness (`run_episodes` +
+trained checkpoint is scored greedily on the same held-out tasks in the project's harness (`Harness.run` +
 `HFPolicy`); the difference is paired per task (flywheel/evaluate/stats.py).
 
 What cannot be made equal, and what is measured instead:
@@ -68,7 +68,7 @@ THREADS = 2  # the CPU threads each system gets (this machine's cores)
 def make_student(pipeline, env, train, workdir: Path, sft_steps: int, conversations: int, corpus: int) -> Path:
     """The pipeline's student after a short SFT on oracle conversations (rl_gain.py's path): the tiny student
     built here, or the checkpoint the pipeline names (SmolLM2's GGUF for `smol`, with its LoRA merged after)."""
-    from flywheel.agent import run_episodes
+    from flywheel.agent import Harness, Limits
     from flywheel.data.catalog import named_model
     from flywheel.policies.base import Sampling
     from flywheel.policies.oracle import OraclePolicy
@@ -80,8 +80,8 @@ def make_student(pipeline, env, train, workdir: Path, sft_steps: int, conversati
                                   pipeline.student.tiny, workdir / "base")
     else:
         base = named_model(ROOT, pipeline.student.model)
-    episodes = run_episodes(env, OraclePolicy(env), train[:conversations], sampling=Sampling(),
-                            max_turns=pipeline.environment.max_turns)
+    episodes = Harness(env, Limits.from_config(pipeline.environment)).run(OraclePolicy(env), train[:conversations],
+                                                                          sampling=Sampling())
     rows = [{"messages": e.messages, "tools": env.tools()} for e in episodes if e.passed]
     sft = pipeline.sft.model_copy(update={"steps": sft_steps, "log_every": 1})
     template = ROOT / pipeline.student.chat_template if pipeline.student.chat_template else None
@@ -102,11 +102,12 @@ def rl_config(pipeline, steps: int, tasks_per_step: int, sync: bool):
 
 def run_project(student: Path, env, tasks, cfg, out: Path, max_turns: int) -> dict:
     """train_rl as the rl stage calls it; the time to the last step and the tokens generated."""
+    from flywheel.agent import Harness, Limits
     from flywheel.train.rl.loop import train_rl
 
     steps: list[tuple[float, dict]] = []
     started = time.perf_counter()
-    train_rl(student, env, tasks, cfg, out, max_turns, device="cpu",
+    train_rl(student, Harness(env, Limits(max_turns=max_turns)), tasks, cfg, out, device="cpu",
              on_step=lambda step, m: steps.append((time.perf_counter(), m)))
     marks = [t for t, _ in steps]
     # where the time went: generating (the actor's, overlapping the learner's when asynchronous), the learner's
@@ -241,12 +242,13 @@ def one_run(spec: dict) -> dict:
 
 def heldout_passes(env, path: Path, tasks, max_turns: int, max_new_tokens: int) -> dict[str, float]:
     """Greedy pass (1.0/0.0) per held-out task id, in the project's harness."""
-    from flywheel.agent import run_episodes
+    from flywheel.agent import Harness, Limits
     from flywheel.policies.base import Sampling
     from flywheel.policies.hf import HFPolicy
 
-    episodes = run_episodes(env, HFPolicy(path, batch_size=64), tasks,
-                            sampling=Sampling(temperature=0.0, max_new_tokens=max_new_tokens), max_turns=max_turns)
+    episodes = Harness(env, Limits(max_turns=max_turns)).run(HFPolicy(path, batch_size=64), tasks,
+                                                             sampling=Sampling(temperature=0.0,
+                                                                               max_new_tokens=max_new_tokens))
     return {e.task.task_id: float(e.passed) for e in episodes}
 
 

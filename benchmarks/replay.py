@@ -4,7 +4,7 @@
 
 Builds replay tasks from a banking agent's multi-turn conversations (examples/agent_traces.py: 3 attempts per
 scenario, a 0/1 reward, the scenario's expected actions; normalised as collect stores them), then runs each
-accepted one through the one harness (flywheel.agent.run_episodes) with the replay user (the recorded user
+accepted one through the one harness (flywheel.agent.Harness) with the replay user (the recorded user
 turns, one after each answer) and three policies:
 
 - recorded: says exactly what the recorded agent said, turn by turn (must score 1.0: every accepted
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.data.trace_rows import normalise_messages
 from flywheel.envs.replay import ReplayEnv
 from flywheel.policies.base import Completion
@@ -93,10 +93,10 @@ def main() -> None:
     longest = max(len(t) for t in turns.values())
 
     started = time.perf_counter()
-    recorded = run_episodes(env, Recorded(turns), tasks, max_turns=longest + 1)
+    recorded = Harness(env, Limits(max_turns=longest + 1)).run(Recorded(turns), tasks)
     seconds = time.perf_counter() - started
-    null = run_episodes(env, Says(""), tasks, max_turns=longest + 1)
-    ask_id = run_episodes(env, Says(ASK_ID), tasks, max_turns=longest + 1)
+    null = Harness(env, Limits(max_turns=longest + 1)).run(Says(""), tasks)
+    ask_id = Harness(env, Limits(max_turns=longest + 1)).run(Says(ASK_ID), tasks)
 
     # every recorded call of every conversation, in recorded order, straight to the matcher
     calls = served = 0

@@ -19,6 +19,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from flywheel.agent import Harness, Limits
 from flywheel.config import RLConfig, TinyModelConfig
 from flywheel.contract import Score
 from flywheel.envs.calculator import CalculatorEnv
@@ -39,7 +40,8 @@ class DigitShareCalculator(CalculatorEnv):
 def timed_run(student: Path, env, tasks, cfg: RLConfig, out: Path, max_turns: int) -> dict:
     """Run train_rl; the timings of steps 1.. (after the actor is up)."""
     history = []
-    _, summary = train_rl(student, env, tasks, cfg, out, max_turns, on_step=lambda step, m: history.append(m))
+    _, summary = train_rl(student, Harness(env, Limits(max_turns=max_turns)), tasks, cfg, out,
+                          on_step=lambda step, m: history.append(m))
     steady = history[1:]
     return {"wall_s": sum(m["step_time_s"] for m in steady),
             "generate_s": sum(m["generate_s"] for m in steady),

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from transformers.utils import logging as hf_logging
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.config import load_pipeline
 from flywheel.envs import load_environment
 from flywheel.evaluate.stats import paired_bootstrap
@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def scores(env, path: Path, tasks, max_turns: int) -> dict[str, float]:
     """Greedy reward per held-out task id."""
-    episodes = run_episodes(env, HFPolicy(path, batch_size=64), tasks, sampling=Sampling(temperature=0.0),
-                            max_turns=max_turns)
+    episodes = Harness(env, Limits(max_turns=max_turns)).run(HFPolicy(path, batch_size=64), tasks,
+                                                             sampling=Sampling(temperature=0.0))
     return {e.task.task_id: float(e.reward) for e in episodes}
 
 
@@ -59,18 +59,17 @@ def one_seed(pipeline, env, train, heldout, seed: int, workdir: Path, confidence
     base = build_tiny_student(environment_corpus(env, n=1000, seed=cfg.environment.seed + 7), tiny, workdir / "base")
     teacher = OraclePolicy(env, error_rate=cfg.teacher.error_rate, error_slices=cfg.teacher.error_slices,
                            error_seed=cfg.teacher.error_seed)
-    episodes = run_episodes(env, teacher, train, samples=cfg.synthesize.samples_per_task, max_turns=max_turns,
-                            sampling=Sampling())
+    episodes = Harness(env, Limits(max_turns=max_turns)).run(teacher, train, samples=cfg.synthesize.samples_per_task,
+                                                             sampling=Sampling())
     rows = [{"messages": e.messages, "tools": env.tools()} for e in episodes if e.passed]
     sft_started = time.perf_counter()
     train_sft(base, rows, workdir / "sft", cfg.sft.model_copy(update={"seed": seed}))
     sft_s = time.perf_counter() - sft_started
     rl_started = time.perf_counter()
     rl_cfg = cfg.rl.model_copy(update={"seed": seed, "checkpoint_every": 0})
-    monitor = Monitor(env, audit_sample(heldout, rl_cfg.monitor_tasks), rl_cfg, max_turns) \
-        if rl_cfg.monitor_every else None
-    _, summary = train_rl(workdir / "sft", env, train, rl_cfg, workdir / "rl", max_turns=max_turns,
-                          monitor=monitor)
+    harness = Harness(env, Limits(max_turns=max_turns))
+    monitor = Monitor(harness, audit_sample(heldout, rl_cfg.monitor_tasks), rl_cfg) if rl_cfg.monitor_every else None
+    _, summary = train_rl(workdir / "sft", harness, train, rl_cfg, workdir / "rl", monitor=monitor)
     rl_s = time.perf_counter() - rl_started
     result = {label: scores(env, workdir / label, heldout, max_turns) for label in ("base", "sft", "rl")}
     ids = sorted(result["sft"])

@@ -21,7 +21,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness
 from flywheel.config import load_pipeline
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies.oracle import OraclePolicy
@@ -77,7 +77,7 @@ def main() -> None:
     cfg = load_pipeline(args.pipeline, ROOT / "pipelines.yaml")
     sft = cfg.sft.model_copy(update={"steps": args.steps})
     env = CalculatorEnv()
-    episodes = run_episodes(env, OraclePolicy(env), list(islice(env.generate_tasks(0), args.conversations)))
+    episodes = Harness(env).run(OraclePolicy(env), list(islice(env.generate_tasks(0), args.conversations)))
     rows = [{"messages": e.messages, "tools": env.tools()} for e in episodes]
     with tempfile.TemporaryDirectory(prefix="bench-sft-") as tmp:
         base = build_tiny_student([render_conversation(r["messages"], r["tools"]) for r in rows], cfg.student.tiny,

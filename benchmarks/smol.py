@@ -19,7 +19,7 @@ them (its compact tool template) and with its `sft` section (LoRA, its precision
   `bf16_speedup` and the largest per-step loss difference (`bf16_max_loss_diff`); and in bf16 with one thread
   (`one_thread_tokens_per_s`) against two, the choice the stages make.
 - generation: the trained student's greedy episodes on --tasks held-out tasks through the harness
-  (flywheel.agent.run_episodes with the hf policy: template, parsing, tool calls, the next turn) against a bare
+  (flywheel.agent.Harness with the hf policy: template, parsing, tool calls, the next turn) against a bare
   `generate` loop over exactly the prompts the harness sent, turn by turn in the same batches. `generate_ratio` =
   harness / bare generated tokens per second.
 
@@ -46,13 +46,13 @@ PIPELINE = "support-smol"
 
 def rows_and_tasks(cfg, conversations: int, tasks: int):
     """The oracle's train conversations (train seed) and held-out-style tasks (another seed) of the pipeline's env."""
-    from flywheel.agent import run_episodes
+    from flywheel.agent import Harness, Limits
     from flywheel.envs import load_environment
     from flywheel.policies.oracle import OraclePolicy
 
     env = load_environment(cfg.environment, ROOT)
-    episodes = run_episodes(env, OraclePolicy(env), list(islice(env.generate_tasks(0), conversations)),
-                            max_turns=cfg.environment.max_turns)
+    tasks_seen = list(islice(env.generate_tasks(0), conversations))
+    episodes = Harness(env, Limits.from_config(cfg.environment)).run(OraclePolicy(env), tasks_seen)
     return env, [{"messages": e.messages, "tools": env.tools()} for e in episodes], \
         list(islice(env.generate_tasks(1), tasks))
 
@@ -165,14 +165,15 @@ def bare_loop(student: str, batches: list, sft, precision: str, threads: int) ->
 
 def harness(env, model, tokenizer, tasks, max_new_tokens: int, max_turns: int):
     """Greedy episodes through the harness: generated tokens, seconds, and the prompts of every turn."""
-    from flywheel.agent import run_episodes
+    from flywheel.agent import Harness, Limits
     from flywheel.policies.base import Sampling
     from flywheel.policies.hf import HFPolicy
 
     policy = HFPolicy(model, tokenizer, batch_size=len(tasks))
     started = time.perf_counter()
-    episodes = run_episodes(env, policy, tasks, sampling=Sampling(temperature=0.0, max_new_tokens=max_new_tokens),
-                            max_turns=max_turns)
+    episodes = Harness(env, Limits(max_turns=max_turns)).run(policy, tasks,
+                                                             sampling=Sampling(temperature=0.0,
+                                                                               max_new_tokens=max_new_tokens))
     seconds = time.perf_counter() - started
     tokens = sum(len(c.token_ids) for e in episodes for c in e.completions)
     # turn k of every episode that had one: the messages before its k-th assistant message

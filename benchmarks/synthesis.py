@@ -23,7 +23,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness
 from flywheel.config import load_pipeline
 from flywheel.envs import get_environment
 from flywheel.policies.base import Sampling
@@ -36,7 +36,7 @@ def samples_per_s(url: str, env, tasks, concurrency: int) -> tuple[float, float]
     """Rate and wall time of one synthesis pass over the tasks; every episode must pass."""
     policy = OpenAIPolicy("oracle", url, concurrency=concurrency, timeout_s=30, cache=None)
     started = time.perf_counter()
-    episodes = run_episodes(env, policy, tasks, sampling=Sampling(temperature=0.0, seed=0))
+    episodes = Harness(env).run(policy, tasks, sampling=Sampling(temperature=0.0, seed=0))
     took = time.perf_counter() - started
     failed = [e for e in episodes if not e.passed]
     if failed:

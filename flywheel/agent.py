@@ -2,12 +2,14 @@
 answers and the environment's user has nothing more to say, or says STOP) or a budget ends it.
 
 An episode's `stop` says how it ended: "answer" (the agent answered and the user had nothing more to say),
-"max_turns" or "budget" (cut: the conversation was still going; counted as conversations_cut), or "user_error"
-(the simulated user failed: the episode is counted as user_errors and left out of every score, since it says
-nothing about the agent).
+"max_turns", "budget" or "error_turns" (cut: the conversation was still going; counted as conversations_cut), or
+"user_error" (the simulated user failed: the episode is counted as user_errors and left out of every score, since
+it says nothing about the agent).
 
-The teacher (synthesis), the RL actor and the evaluator all call run_episodes, so the student is trained in
-the harness it is judged and deployed in.
+The harness owns its limits (`Limits`, made once from the pipeline's `environment:` section): the teacher
+(synthesis), the RL actor and its monitors, the evaluator, the dry run and serving's loop are all handed one
+`Harness` and call its `run`, so the student is trained in the harness it is judged and deployed in, under the
+same limits.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from flywheel.contract import STOP, Environment, Task, ToolError, UserError
 from flywheel.policies.base import Completion, Policy, Sampling
@@ -33,7 +36,7 @@ class Episode:
     passed: bool = False
     breakdown: dict[str, float] = field(default_factory=dict)
     turns: int = 0
-    stop: str = "max_turns"  # "answer" | "max_turns" | "budget" | "user_error"
+    stop: str = "max_turns"  # "answer" | "max_turns" | "budget" | "error_turns" | "user_error"
     completions: list[Completion] = field(default_factory=list)
     user_error: str = ""  # why the simulated user failed (stop "user_error")
 
@@ -70,44 +73,74 @@ def call_tool(env: Environment, call: dict, timeout_s: float, state: object = No
         return f"Error: tool '{fn.get('name')}' failed: {type(err).__name__}: {err}"
 
 
-def run_episodes(env: Environment, policy: Policy, tasks: Sequence[Task], *, samples: int = 1,
-                 sampling: Sampling | None = None, max_turns: int = 4, tool_timeout_s: float = 2.0,
-                 max_tokens: int | None = None,
-                 on_done: Callable[[Episode], None] | None = None) -> list[Episode]:
-    """Run `samples` episodes per task, all conversations advancing together one turn at a time (batched).
+@dataclass(frozen=True)
+class Limits:
+    """Where an episode is cut and how long a tool may run (the defaults are the `environment:` section's)."""
 
-    max_turns: assistant messages per episode; max_tokens: tokens the agent generates per episode (None: no
-    limit). An episode of a failed simulated user is still returned (stop "user_error"), scored but marked:
-    callers leave it out (Episode.scored)."""
-    sampling = sampling or Sampling()
-    episodes = [Episode(task=t, sample=s, messages=[dict(m) for m in t.prompt])
-                for t in tasks for s in range(samples)]
-    tools = env.tools()
-    # one state per episode, made before its first turn and torn down after its score: never shared
-    states = {id(e): env.start(e.task) for e in episodes}
-    try:
-        _advance(env, policy, episodes, states, tools, sampling, max_turns, tool_timeout_s, max_tokens)
-        for episode in episodes:
-            if episode.stop in ("max_turns", "budget"):
-                env.count("conversations_cut")
-            score = env.score(episode.task, episode.messages, states[id(episode)])
-            episode.reward, episode.passed, episode.breakdown = score.reward, score.passed, dict(score.breakdown)
-            if on_done:
-                on_done(episode)
-    finally:
-        for state in states.values():
-            if state is not None:
-                env.finish(state)
-    return episodes
+    max_turns: int = 4  # assistant messages per episode
+    max_tokens: int | None = None  # tokens the agent generates per episode (None: no limit)
+    tool_timeout_s: float = 2.0
+    max_error_turns: int | None = None  # assistant turns in a row with a malformed tool call (None: no limit)
+
+    @classmethod
+    def from_config(cls, cfg) -> Limits:
+        """The limits of a pipeline's `environment:` section (flywheel.config.EnvironmentConfig)."""
+        return cls(max_turns=cfg.max_turns, max_tokens=cfg.max_episode_tokens, tool_timeout_s=cfg.tool_timeout_s,
+                   max_error_turns=cfg.max_error_turns)
+
+
+@dataclass(frozen=True)
+class Harness:
+    """The one episode loop over an environment, under its limits; pickles (to RL actor processes) as the env does."""
+
+    env: Environment
+    limits: Limits = Limits()
+
+    def run(self, policy: Policy, tasks: Sequence[Task], *, samples: int = 1, sampling: Sampling | None = None,
+            on_done: Callable[[Episode], None] | None = None) -> list[Episode]:
+        """Run `samples` episodes per task, all conversations advancing together one turn at a time (batched).
+
+        An episode of a failed simulated user is still returned (stop "user_error"), scored but marked: callers
+        leave it out (Episode.scored)."""
+        env = self.env
+        sampling = sampling or Sampling()
+        episodes = [Episode(task=t, sample=s, messages=[dict(m) for m in t.prompt])
+                    for t in tasks for s in range(samples)]
+        tools = env.tools()
+        # one state per episode, made before its first turn and torn down after its score: never shared
+        states = {id(e): env.start(e.task) for e in episodes}
+        try:
+            _advance(env, policy, episodes, states, tools, sampling, self.limits)
+            for episode in episodes:
+                if episode.stop in ("max_turns", "budget", "error_turns"):
+                    env.count("conversations_cut")
+                score = env.score(episode.task, episode.messages, states[id(episode)])
+                episode.reward, episode.passed, episode.breakdown = score.reward, score.passed, dict(score.breakdown)
+                if on_done:
+                    on_done(episode)
+        finally:
+            for state in states.values():
+                if state is not None:
+                    env.finish(state)
+        return episodes
+
+
+def load_harness(cfg, root: str | Path, pipeline: str | None = None) -> Harness:
+    """The harness of a pipeline's `environment:` section: its environment (flywheel.envs.load_environment; with
+    replay, `pipeline`'s collected tasks) under its limits."""
+    from flywheel.envs import load_environment
+
+    return Harness(load_environment(cfg, root, pipeline), Limits.from_config(cfg))
 
 
 def _advance(env: Environment, policy: Policy, episodes: list[Episode], states: dict, tools: list[dict],
-             sampling: Sampling, max_turns: int, tool_timeout_s: float, max_tokens: int | None) -> None:
+             sampling: Sampling, limits: Limits) -> None:
     """Advance every episode one turn at a time, all conversations in one policy batch per turn."""
     active = list(episodes)
     # the oracle reads the episode state (a model reads only the conversation)
     with_states = getattr(policy, "takes_states", False)
-    for turn in range(max_turns):
+    errors_in_row = {id(e): 0 for e in episodes}
+    for turn in range(limits.max_turns):
         if not active:
             break
         conversations = [e.messages for e in active]
@@ -123,19 +156,23 @@ def _advance(env: Environment, policy: Policy, episodes: list[Episode], states: 
             if calls:
                 message["tool_calls"] = calls
             episode.messages.append(message)
+            errors_in_row[id(episode)] = errors_in_row[id(episode)] + 1 if completion.error else 0
             if completion.error:
                 episode.messages.append({"role": "user", "content": f"Error: {completion.error}"})
-                still_active.append(episode)
+                if limits.max_error_turns is not None and errors_in_row[id(episode)] >= limits.max_error_turns:
+                    episode.stop = "error_turns"
+                else:
+                    still_active.append(episode)
             elif calls:
                 for call in calls:
                     episode.messages.append({"role": "tool", "tool_call_id": call["id"],
-                                             "content": call_tool(env, call, tool_timeout_s,
+                                             "content": call_tool(env, call, limits.tool_timeout_s,
                                                                   states[id(episode)])})
                 still_active.append(episode)
             elif _user_speaks(env, episode, states[id(episode)]):
                 still_active.append(episode)
-        if max_tokens is not None:
-            for episode in [e for e in still_active if e.tokens >= max_tokens]:
+        if limits.max_tokens is not None:
+            for episode in [e for e in still_active if e.tokens >= limits.max_tokens]:
                 episode.stop = "budget"
                 still_active.remove(episode)
         active = still_active

@@ -140,10 +140,13 @@ class EnvironmentConfig(Section):
     heldout_tasks: int = Field(200, ge=1)
     seed: int = 0
     # Assistant messages per episode (tool-calling turns and answers alike); a conversation still going then is
-    # cut and counted (conversations_cut). max_episode_tokens: the same for the tokens the agent generated.
+    # cut and counted (conversations_cut). max_episode_tokens: the same for the tokens the agent generated;
+    # max_error_turns: for assistant turns in a row whose tool call was malformed (null: never). The harness's
+    # Limits (flywheel/agent.py) are made from these.
     max_turns: int = Field(4, ge=1, le=64)
     max_episode_tokens: int | None = Field(None, ge=1)
     tool_timeout_s: float = Field(2.0, gt=0)
+    max_error_turns: int | None = Field(None, ge=1)
     # Who answers the agent after it answers: replay tasks default to their recorded user turns (UserConfig);
     # an environment written with the SDK declares its own user (Env(user=...)).
     user: UserConfig = UserConfig()

@@ -16,7 +16,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from flywheel.agent import Episode, run_episodes
+from flywheel.agent import Episode, Harness
 from flywheel.config import PipelineConfig
 from flywheel.contract import Environment, RubricError, Task
 from flywheel.data.tasksets import own_tasks, short_splits
@@ -68,9 +68,11 @@ class NoTasksError(ValueError):
     """The environment has no tasks to dry-run: none of its own, and no collected tasks table yet."""
 
 
-def dry_run(pipeline: str, cfg: PipelineConfig, env: Environment, sample: int | None = None,
+def dry_run(pipeline: str, cfg: PipelineConfig, harness: Harness, sample: int | None = None,
             seed: int = 0) -> DryRun:
-    """Run the solver and the null policy over the environment's tasks (all, or `sample` of them, seeded)."""
+    """Run the solver and the null policy in the harness over its environment's tasks (all, or `sample` of them,
+    seeded)."""
+    env = harness.env
     tasks = own_tasks(env, cfg.environment, cfg.collect.heldout_fraction)
     origin = "own"
     if not tasks:
@@ -86,8 +88,8 @@ def dry_run(pipeline: str, cfg: PipelineConfig, env: Environment, sample: int | 
     if origin == "own":
         report.warnings += short_splits(env.name, splits, cfg.environment, cfg.collect.heldout_fraction)
     if _has_solver(env, checked[0]):
-        report.solver = _run(env, cfg, OraclePolicy(env), "solver", checked, report.describe)
-    report.null = _run(env, cfg, NullPolicy(), "null", checked, report.describe)
+        report.solver = _run(harness, OraclePolicy(env), "solver", checked, report.describe)
+    report.null = _run(harness, NullPolicy(), "null", checked, report.describe)
     _findings(report)
     return report
 
@@ -106,18 +108,15 @@ def _has_solver(env: Environment, task: Task) -> bool:
     return True
 
 
-def _run(env: Environment, cfg: PipelineConfig, policy, name: str, tasks: list[Task],
-         describe: dict[str, str]) -> PolicyRun:
+def _run(harness: Harness, policy, name: str, tasks: list[Task], describe: dict[str, str]) -> PolicyRun:
     """The policy on each task alone through the harness: one task's broken reward or solver is that task's
     error, and the others still run."""
     run = PolicyRun(name)
-    before = env.counters
+    before = harness.env.counters
     for task in tasks:
         where = describe[task.task_id]
         try:
-            (episode,) = run_episodes(env, policy, [task], max_turns=cfg.environment.max_turns,
-                                      tool_timeout_s=cfg.environment.tool_timeout_s,
-                                      max_tokens=cfg.environment.max_episode_tokens)
+            (episode,) = harness.run(policy, [task])
         except RubricError as err:
             run.errors.append(str(err))
             continue
@@ -131,7 +130,7 @@ def _run(env: Environment, cfg: PipelineConfig, policy, name: str, tasks: list[T
         for message in episode.messages:
             if message.get("role") == "tool" and _TOOL_BUG.match(str(message.get("content") or "")):
                 run.tool_bugs.append(f"{where}: {message['content'].removeprefix('Error: ')}")
-    after = env.counters
+    after = harness.env.counters
     run.counters = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     return run
 

@@ -47,10 +47,8 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
         heldout = _heldout(catalog)
         candidate_hash = content_hash([catalog.model_dir("rl")], root_path)
         arms, champion_version = _arms(cfg, catalog, pipeline, candidate_hash, root_path)
-        scored = {arm.label: score_arm(arm, stage.env, heldout, max_turns=cfg.environment.max_turns,
-                                       tool_timeout_s=cfg.environment.tool_timeout_s, samples=cfg.evaluate.samples,
-                                       temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed,
-                                       max_tokens=cfg.environment.max_episode_tokens)
+        scored = {arm.label: score_arm(arm, stage.harness, heldout, samples=cfg.evaluate.samples,
+                                       temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed)
                   for arm in arms}
         table = pd.DataFrame([row for s in scored.values() for row in s.rows], columns=list(Eval.to_schema().columns))
         catalog.write("eval", table)

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from prefect import task as prefect_task
 
+from flywheel.agent import Harness, load_harness
 from flywheel.config import PipelineConfig, load_pipeline
 from flywheel.contract import Environment
 from flywheel.data.catalog import Catalog
-from flywheel.envs import load_environment
 from flywheel.registry import Run, stage_run
 from flywheel.stages import ORDER, StageResult
 from flywheel.train.students import resolve_student
@@ -60,17 +60,23 @@ class StageContext:
     run: Run
 
     @cached_property
+    def harness(self) -> Harness:
+        """The pipeline's harness: its environment (a built-in or a factory's) under the `environment:` section's
+        limits, built on first use (not every stage needs one)."""
+        return load_harness(self.cfg.environment, self.root, self.pipeline)
+
+    @property
     def env(self) -> Environment:
-        """The pipeline's environment (a built-in or a factory's), built on first use (not every stage needs one)."""
-        return load_environment(self.cfg.environment, self.root, self.pipeline)
+        """The pipeline's environment (the harness's)."""
+        return self.harness.env
 
     def done(self, metrics: dict, **fields) -> StageResult:
         """Log the environment's counters, tag the run with each output's content hash (`flywheel.out.<path>`);
         the stage's result.
 
         `fields` are the stage's own (StageResult.gate, .registration)."""
-        env = self.__dict__.get("env")  # built only if the stage used it
-        counters = env.counters if env is not None else {}
+        harness = self.__dict__.get("harness")  # built only if the stage used it
+        counters = harness.env.counters if harness is not None else {}
         if counters:  # tool errors, timeouts, bad returns, judge verdicts it could not parse: env.<counter>
             self.run.metrics({f"env.{key}": value for key, value in counters.items()})
         outputs = output_hashes(self.name, self.pipeline, self.root)

@@ -27,14 +27,14 @@ class NoUpdatesError(RuntimeError):
 def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> StageResult:
     """RL from the SFT checkpoint: the RL checkpoint, the rollouts table and the monitor's report."""
     with stage_context("rl", pipeline, root, parent_run_id, params=("rl",)) as stage:
-        cfg, catalog, env, run = stage.cfg, stage.catalog, stage.env, stage.run
+        cfg, catalog, harness, run = stage.cfg, stage.catalog, stage.harness, stage.run
         table = catalog.read("tasks")
         tasks = [row_task(r) for r in table.to_dict("records") if r["split"] == "train"]
         out_dir = catalog.model_dir("rl")
         monitor = None
         if cfg.rl.monitor_every and cfg.rl.steps:  # audited on held-out tasks, which it never trains on
             heldout = [row_task(r) for r in table.to_dict("records") if r["split"] == "heldout"]
-            monitor = Monitor(env, audit_sample(heldout, cfg.rl.monitor_tasks), cfg.rl, cfg.environment.max_turns)
+            monitor = Monitor(harness, audit_sample(heldout, cfg.rl.monitor_tasks), cfg.rl)
         if cfg.rl.steps == 0:  # RL switched off: the candidate is the SFT model itself
             shutil.rmtree(out_dir, ignore_errors=True)
             shutil.copytree(catalog.model_dir("sft"), out_dir)
@@ -42,9 +42,8 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
         else:
             # on-policy distillation's teacher: a checkpoint folder under the project root, or a server
             teacher = load_teacher(cfg.rl.opd, stage.root) if cfg.rl.objective != "reward" else None
-            rows, summary = train_rl(catalog.model_dir("sft"), env, tasks, cfg.rl, out_dir,
-                                     max_turns=cfg.environment.max_turns, device=cfg.student.device,
-                                     max_tokens=cfg.environment.max_episode_tokens,
+            rows, summary = train_rl(catalog.model_dir("sft"), harness, tasks, cfg.rl, out_dir,
+                                     device=cfg.student.device,
                                      on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"), monitor=monitor,
                                      teacher=teacher)
         catalog.write("rollouts", pd.DataFrame(rows, columns=list(Rollouts.to_schema().columns)))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from flywheel.agent import Episode, run_episodes
+from flywheel.agent import Episode
 from flywheel.config import ConfigError, TeacherConfig
 from flywheel.contract import Environment, Task, prompt_hash
 from flywheel.data.catalog import named_model
@@ -25,7 +25,7 @@ from flywheel.synthesis import sample_row, select_targets, trace_rows
 from tasks.kernel import stage_context, stage_task
 from tasks.progress import Meter
 
-# Conversations per run_episodes call: enough to keep every request slot busy through a turn, few enough
+# Conversations per harness run: enough to keep every request slot busy through a turn, few enough
 # that progress shows and a straggler holds up only its own chunk.
 CHUNK = 256
 
@@ -35,7 +35,7 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
     """Teacher episodes on every train task, n samples each, scored by the rubric: the synthetic table."""
     # params: the teacher's key variable's NAME only, never the key
     with stage_context("synthesize", pipeline, root, parent_run_id, params=("teacher", "synthesize")) as stage:
-        cfg, catalog, env = stage.cfg, stage.catalog, stage.env
+        cfg, catalog, harness, env = stage.cfg, stage.catalog, stage.harness, stage.env
         task_table = catalog.read("tasks")
         train = [row_task(r) for r in task_table.to_dict("records") if r["split"] == "train"]
         tasks = without_slices(train, cfg.synthesize.exclude_slices)
@@ -50,10 +50,7 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
         episodes: list[Episode] = []
         try:
             for start in range(0, len(tasks), per_chunk):
-                chunk = run_episodes(env, teacher, tasks[start:start + per_chunk], samples=n, sampling=sampling,
-                                     max_turns=cfg.environment.max_turns,
-                                     tool_timeout_s=cfg.environment.tool_timeout_s,
-                                     max_tokens=cfg.environment.max_episode_tokens)
+                chunk = harness.run(teacher, tasks[start:start + per_chunk], samples=n, sampling=sampling)
                 episodes += chunk
                 meter.update(chunk)
         finally:

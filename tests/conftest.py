@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,60 @@ def process_worker(tmp_path):
     yield start
     for worker in started:
         _stop(worker)
+
+
+SLOW_TOOL_ENV = '''
+import time
+
+from flywheel.envs.sdk import Env, Task
+
+
+def lookup(key: str) -> str:
+    """Look the key up, slowly."""
+    time.sleep(0.3)
+    return key
+
+
+def make_env() -> Env:
+    tasks = [Task(f"slow-{i}", "slow", [{"role": "user", "content": f"Look up {i}."}], "{}", "all", "train")
+             for i in range(2)]
+    return Env(name="slow", tools=[lookup], tasks=lambda seed: iter(tasks), rewards=[lambda task, messages: 1.0])
+'''
+
+
+@pytest.fixture
+def slow_tool_harness(tmp_path):
+    """The harness (flywheel.agent.load_harness) of a factory environment whose one tool sleeps 0.3 s, under an
+    `environment:` section with a tool timeout of 0.05 s and a budget of 10 generated tokens in up to 8 turns: a
+    ToolCaller (5 tokens a turn) is cut by the budget after 2 turns, each of its tool calls timed out."""
+    from flywheel.agent import load_harness
+    from flywheel.config import EnvironmentConfig
+
+    module = f"slowtool_{uuid.uuid4().hex[:8]}"  # its own module name: a module imported once stays cached
+    (tmp_path / f"{module}.py").write_text(SLOW_TOOL_ENV)
+    cfg = EnvironmentConfig(factory=f"{module}:make_env", max_turns=8, max_episode_tokens=10, tool_timeout_s=0.05)
+    return load_harness(cfg, tmp_path)
+
+
+class ToolCaller:
+    """A policy that calls the environment's first tool every turn, spending 5 generated tokens a turn (with the
+    token ids and log-probabilities RL encodes); `turns` counts the turns it was asked for."""
+
+    name = "tool-caller"
+
+    def __init__(self):
+        self.turns = 0
+
+    def generate(self, conversations, tools, sampling, **_):
+        from flywheel.policies.base import Completion
+
+        self.turns += 1
+        call = {"id": "x", "type": "function",
+                "function": {"name": tools[0]["function"]["name"], "arguments": '{"key": "a"}'}}
+        return [Completion(message={"role": "assistant", "content": "", "tool_calls": [call]}, token_ids=[5] * 5,
+                           logprobs=[-0.5] * 5) for _ in conversations]
+
+
+@pytest.fixture
+def tool_caller() -> ToolCaller:
+    return ToolCaller()

@@ -20,12 +20,12 @@ FAMILIES = {
 
 def calculator_rows(n: int = 64, seed: int = 11) -> list[dict]:
     """Oracle-solved calculator conversations (two tool rounds for some), as the synthetic table holds them."""
-    from flywheel.agent import run_episodes
+    from flywheel.agent import Harness
     from flywheel.envs.calculator import CalculatorEnv
     from flywheel.policies.oracle import OraclePolicy
 
     env = CalculatorEnv()
-    episodes = run_episodes(env, OraclePolicy(env), list(islice(env.generate_tasks(seed), n)))
+    episodes = Harness(env).run(OraclePolicy(env), list(islice(env.generate_tasks(seed), n)))
     return [{"messages": e.messages, "tools": env.tools()} for e in episodes]
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import time
 from itertools import islice
 from pathlib import Path
 
 import pytest
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.contract import STOP, UserError
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies import get_policy
@@ -65,7 +66,7 @@ def test_registry_builds_the_oracle(env):
 
 def test_oracle_solves_every_task_in_two_turns(env):
     tasks = list(islice(env.generate_tasks(0), 60))
-    episodes = run_episodes(env, OraclePolicy(env), tasks, samples=2)
+    episodes = Harness(env).run(OraclePolicy(env), tasks, samples=2)
     assert len(episodes) == 120
     for episode in episodes:
         assert episode.reward == 1.0 and episode.passed, episode.messages
@@ -79,7 +80,7 @@ def test_oracle_solves_every_task_in_two_turns(env):
 def test_turn_limit_stops_an_endless_caller(env):
     task = next(env.generate_tasks(0))
     policy = Scripted(env, [call(json.dumps({"expression": "1 + 1"}))] * 10)
-    (episode,) = run_episodes(env, policy, [task], max_turns=3)
+    (episode,) = Harness(env, Limits(max_turns=3)).run(policy, [task])
     assert episode.stop == "max_turns" and episode.turns == 3
     assert episode.reward == 0.0 and not episode.passed
     assert [m["role"] for m in episode.messages].count("tool") == 3
@@ -94,7 +95,7 @@ def test_turn_limit_stops_an_endless_caller(env):
 ])
 def test_tool_errors_are_shown_and_the_episode_goes_on(env, arguments, name, error):
     task = next(env.generate_tasks(0))
-    (episode,) = run_episodes(env, Scripted(env, [call(arguments, name)]), [task])
+    (episode,) = Harness(env).run(Scripted(env, [call(arguments, name)]), [task])
     tool_result = episode.messages[2]
     assert tool_result["role"] == "tool" and tool_result["content"].startswith(error)
     assert episode.passed and episode.turns == 2 and episode.breakdown["valid_tool_calls"] == 0.0
@@ -104,16 +105,44 @@ def test_malformed_tool_call_is_shown_as_a_user_message(env):
     task = next(env.generate_tasks(0))
     broken = parse_completion("<tool_call>{bad json</tool_call>")
     assert broken.error
-    (episode,) = run_episodes(env, Scripted(env, [broken]), [task])
+    (episode,) = Harness(env).run(Scripted(env, [broken]), [task])
     feedback = episode.messages[2]
     assert feedback["role"] == "user" and feedback["content"].startswith("Error: tool call 0 is not valid JSON")
     assert episode.passed and episode.turns == 3
 
 
+def test_malformed_tool_calls_in_a_row_end_the_episode_at_max_error_turns(env):
+    task = next(env.generate_tasks(0))
+    broken = parse_completion("<tool_call>{bad json</tool_call>")
+    good = call(json.dumps({"expression": "1 + 1"}))
+    # an error, a good call, then errors: only turns in a row count, so the second pair ends it (turn 4)
+    policy = Scripted(env, [broken, good, broken, broken, broken, broken])
+    (episode,) = Harness(env, Limits(max_turns=10, max_error_turns=2)).run(policy, [task])
+    assert episode.stop == "error_turns" and episode.turns == 4 and not episode.passed
+    assert env.counters["conversations_cut"] == 1  # counted as a cut, like the turn and token limits
+    (unlimited,) = Harness(env, Limits(max_turns=10)).run(policy, [task])  # by default errors never end it
+    assert unlimited.stop == "answer" and unlimited.turns == 7
+
+
+def test_limits_come_from_the_environment_section_and_the_harness_travels_whole(slow_tool_harness):
+    from flywheel.config import EnvironmentConfig
+
+    assert Limits.from_config(EnvironmentConfig()) == Limits()  # the defaults agree: an unset key changes nothing
+    section = EnvironmentConfig(max_turns=7, max_episode_tokens=100, tool_timeout_s=0.5, max_error_turns=3)
+    assert Limits.from_config(section) == Limits(max_turns=7, max_tokens=100, tool_timeout_s=0.5, max_error_turns=3)
+    # load_harness: the factory's environment under the section's limits; pickled (to an RL actor process), the
+    # environment is built again by its factory and the limits come along
+    assert slow_tool_harness.env.name == "slow"
+    assert slow_tool_harness.limits == Limits(max_turns=8, max_tokens=10, tool_timeout_s=0.05)
+    again = pickle.loads(pickle.dumps(slow_tool_harness))
+    assert again.limits == slow_tool_harness.limits and again.env is not slow_tool_harness.env
+    assert again.env.name == "slow" and again.env.tools() == slow_tool_harness.env.tools()
+
+
 def test_slow_tool_times_out(env):
     slow = SlowCalculator()
     task = next(slow.generate_tasks(0))
-    (episode,) = run_episodes(slow, OraclePolicy(slow), [task], tool_timeout_s=0.1)
+    (episode,) = Harness(slow, Limits(tool_timeout_s=0.1)).run(OraclePolicy(slow), [task])
     assert episode.messages[2]["content"] == "Error: tool 'calculator' timed out after 0.1s"
     # the oracle answers from its own computation, so the episode still ends with an answer
     assert episode.passed and episode.breakdown["valid_tool_calls"] == 0.0
@@ -131,7 +160,7 @@ def test_episodes_on_example_trace_prompts(env):
             if task is not None:
                 tasks.append(task)
     assert len(tasks) >= 140
-    episodes = run_episodes(env, OraclePolicy(env), tasks[:40])
+    episodes = Harness(env).run(OraclePolicy(env), tasks[:40])
     assert all(e.passed and e.turns == 2 for e in episodes)
     assert {t.slice for t in tasks} == {"add", "mul", "mixed"}
 
@@ -162,16 +191,16 @@ class Says:
 def test_the_environments_user_keeps_the_conversation_going_until_it_ends_it():
     env = FollowUp()
     task = next(env.generate_tasks(0))
-    (episode,) = run_episodes(env, Says("4"), [task], max_turns=5)
+    (episode,) = Harness(env, Limits(max_turns=5)).run(Says("4"), [task])
     assert [m["role"] for m in episode.messages] == ["user", "assistant", "user", "assistant"]
     assert episode.messages[2]["content"] == "And what is 2 + 2?"
     assert episode.stop == "answer" and episode.turns == 2
-    (cut,) = run_episodes(env, Says("4"), [task], max_turns=1)  # the turn limit ends it first
+    (cut,) = Harness(env, Limits(max_turns=1)).run(Says("4"), [task])  # the turn limit ends it first
     assert cut.stop == "max_turns" and [m["role"] for m in cut.messages] == ["user", "assistant", "user"]
 
 
 def test_by_default_the_conversation_ends_at_the_first_answer(env):
-    (episode,) = run_episodes(env, Says("4"), [next(env.generate_tasks(0))], max_turns=5)
+    (episode,) = Harness(env, Limits(max_turns=5)).run(Says("4"), [next(env.generate_tasks(0))])
     assert [m["role"] for m in episode.messages] == ["user", "assistant"] and episode.stop == "answer"
 
 
@@ -193,7 +222,7 @@ class Talkative(FollowUp):
 
 def test_a_stop_marker_ends_the_conversation_and_the_marked_line_is_not_added():
     env = Talkative("stop")
-    (episode,) = run_episodes(env, Says("4"), [next(env.generate_tasks(0))], max_turns=10)
+    (episode,) = Harness(env, Limits(max_turns=10)).run(Says("4"), [next(env.generate_tasks(0))])
     assert episode.stop == "answer" and episode.turns == 2 and episode.scored
     assert [m["role"] for m in episode.messages] == ["user", "assistant", "user", "assistant"]
     assert "conversations_cut" not in env.counters
@@ -202,7 +231,7 @@ def test_a_stop_marker_ends_the_conversation_and_the_marked_line_is_not_added():
 def test_a_conversation_that_never_ends_is_cut_by_the_turn_or_token_budget_and_counted():
     env = Talkative("forever")
     tasks = [next(env.generate_tasks(0))]
-    (cut,) = run_episodes(env, Says("4"), tasks, max_turns=6)
+    (cut,) = Harness(env, Limits(max_turns=6)).run(Says("4"), tasks)
     assert cut.stop == "max_turns" and cut.turns == 6
     assert env.counters["conversations_cut"] == 1
 
@@ -211,14 +240,14 @@ def test_a_conversation_that_never_ends_is_cut_by_the_turn_or_token_budget_and_c
             return [Completion(message={"role": "assistant", "content": "4"}, usage={"completion_tokens": 5})
                     for _ in conversations]
 
-    (budget,) = run_episodes(env, Counted("4"), tasks, max_turns=30, max_tokens=12)
+    (budget,) = Harness(env, Limits(max_turns=30, max_tokens=12)).run(Counted("4"), tasks)
     assert budget.stop == "budget" and budget.turns == 3 and budget.tokens == 15
     assert env.counters["conversations_cut"] == 2
 
 
 def test_a_failing_user_marks_the_episode_user_error_never_the_agents_failure():
     env = Talkative("fail")
-    (episode,) = run_episodes(env, Says("4"), [next(env.generate_tasks(0))], max_turns=10)
+    (episode,) = Harness(env, Limits(max_turns=10)).run(Says("4"), [next(env.generate_tasks(0))])
     assert episode.stop == "user_error" and not episode.scored
     assert "down" in episode.user_error and env.counters["user_errors"] == 1
     assert episode.messages[-1]["role"] == "assistant"  # nothing the user did not say was added

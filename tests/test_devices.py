@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 
+from flywheel.agent import Harness, Limits
 from flywheel.config import ConfigError, RLConfig, TeacherConfig, load_pipelines
 from flywheel.devices import actor_device, pin_visible_gpu, resolve_device
 
@@ -109,13 +110,13 @@ def test_evaluate_and_rl_take_the_student_device(tiny_student, tmp_path):
 
     env = CalculatorEnv()
     tasks = list(itertools.islice(env.generate_tasks(0), 4))
+    harness = Harness(env, Limits(max_turns=1, tool_timeout_s=1.0))
     with pytest.raises(RuntimeError, match="hf policy for .*'cuda' but no CUDA GPU"):
-        evaluate_model(tiny_student, env, tasks, "rl", max_turns=1, tool_timeout_s=1.0, batch_size=4, device="cuda")
-    assert len(evaluate_model(tiny_student, env, tasks, "rl", max_turns=1, tool_timeout_s=1.0, batch_size=4,
-                              device="cpu").rows) == 4
+        evaluate_model(tiny_student, harness, tasks, "rl", batch_size=4, device="cuda")
+    assert len(evaluate_model(tiny_student, harness, tasks, "rl", batch_size=4, device="cpu").rows) == 4
     cfg = RLConfig(steps=1, tasks_per_step=2, group_size=2, max_new_tokens=4, actors=0)
     with pytest.raises(RuntimeError, match=r"student.device \(the RL learner\): 'cuda:0' but no CUDA GPU"):
-        train_rl(tiny_student, env, tasks, cfg, tmp_path / "rl", 1, device="cuda:0")
+        train_rl(tiny_student, Harness(env, Limits(max_turns=1)), tasks, cfg, tmp_path / "rl", device="cuda:0")
 
 
 @no_gpu
@@ -130,7 +131,8 @@ def test_an_actor_runs_on_its_own_device(tiny_student, tmp_path):
     cfg = RLConfig(steps=1, tasks_per_step=2, group_size=2, max_new_tokens=4, actors=1, actor_devices=["cuda:1"],
                    checkpoint_every=0)
     with pytest.raises(RuntimeError, match="'cuda:1' but no CUDA GPU is visible"):
-        train_rl(tiny_student, GradedCalculator(), tasks, cfg, tmp_path / "rl", 1, device="cpu")
+        train_rl(tiny_student, Harness(GradedCalculator(), Limits(max_turns=1)), tasks, cfg, tmp_path / "rl",
+                 device="cpu")
 
 
 def test_a_local_teacher_resolves_against_the_project_root(tiny_student, tmp_path, monkeypatch):

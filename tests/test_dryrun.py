@@ -12,6 +12,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from flywheel.agent import Harness, Limits
 from flywheel.cli import app
 from flywheel.config import PipelineConfig
 from flywheel.data.tasksets import own_tasks
@@ -218,7 +219,7 @@ def test_support_desk_dry_run():
     config = _small()
     config["environment"] = {"name": "support", "train_tasks": 40, "heldout_tasks": 10, "max_turns": 8}
     cfg = PipelineConfig.model_validate(config)
-    report = dry_run("support", cfg, get_environment("support"))
+    report = dry_run("support", cfg, Harness(get_environment("support"), Limits.from_config(cfg.environment)))
     lines = render(report)
     assert report.solver.passed == len(report.solver.episodes) == report.checked
     assert report.null.mean_reward == 0.0 and not report.errors

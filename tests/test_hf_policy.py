@@ -8,7 +8,7 @@ from itertools import islice
 import pytest
 import torch
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.checkpoints import load_student
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies import get_policy
@@ -93,7 +93,7 @@ def test_runs_in_the_harness_and_restores_training_mode(tiny_student, env):
     model.train()
     policy = get_policy("hf", model_or_path=model, tokenizer=tokenizer)
     tasks = list(islice(env.generate_tasks(3), 4))
-    episodes = run_episodes(env, policy, tasks, sampling=Sampling(max_new_tokens=16), max_turns=2)
+    episodes = Harness(env, Limits(max_turns=2)).run(policy, tasks, sampling=Sampling(max_new_tokens=16))
     assert len(episodes) == 4 and all(not e.passed for e in episodes)  # random weights solve nothing
     assert model.training
     with pytest.raises(ValueError, match="tokenizer"):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.contract import Environment, Score, Task, ToolError
 from flywheel.envs.mcp import McpError, McpServer, mcp_servers
 from flywheel.policies.base import Completion
@@ -152,7 +152,7 @@ def test_the_harness_runs_episodes_on_mcp_tools_with_its_timeout_and_errors(serv
         _calls(("slow", {"seconds": 1.5})),
         {"role": "assistant", "content": "Order O-1001 has shipped."},
     ])
-    episodes = run_episodes(env, policy, [task], samples=3, max_turns=4, tool_timeout_s=0.5)
+    episodes = Harness(env, Limits(max_turns=4, tool_timeout_s=0.5)).run(policy, [task], samples=3)
     assert len(episodes) == 3
     for episode in episodes:
         results = [m["content"] for m in episode.messages if m["role"] == "tool"]
@@ -234,7 +234,7 @@ def test_an_sdk_env_takes_tools_from_an_mcp_server_next_to_python_tools(server):
         _calls(("slow", {"seconds": 1.5})),
         {"role": "assistant", "content": "Order O-1002 is pending."},
     ])
-    episodes = run_episodes(env, policy, [task], samples=2, max_turns=4, tool_timeout_s=0.5)
+    episodes = Harness(env, Limits(max_turns=4, tool_timeout_s=0.5)).run(policy, [task], samples=2)
     for episode in episodes:
         results = [m["content"] for m in episode.messages if m["role"] == "tool"]
         assert results[0] == "pending" and "no order O-9" in results[1] and results[2] == "noted: asked"

@@ -10,7 +10,7 @@ from itertools import islice
 
 import pytest
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies import get_policy
 from flywheel.policies.base import Sampling
@@ -34,7 +34,7 @@ def policy(server, **options) -> OpenAIPolicy:
 def test_episodes_through_the_protocol(openai_server, mode):
     openai_server.mode = mode  # "text": a model served without a tool parser writes <tool_call> in its text
     teacher = policy(openai_server)
-    episodes = run_episodes(ENV, teacher, tasks(6))
+    episodes = Harness(ENV).run(teacher, tasks(6))
     assert all(e.passed and e.turns == 2 for e in episodes)
     assert episodes[0].messages[1]["tool_calls"][0]["function"]["name"] == "calculator"
     first = episodes[0].completions[0]
@@ -47,7 +47,7 @@ def test_episodes_through_the_protocol(openai_server, mode):
 def test_malformed_tool_call_json_is_shown_to_the_model(openai_server, mode):
     openai_server.mode = mode
     openai_server.inject("malformed")
-    (episode,) = run_episodes(ENV, policy(openai_server), tasks(1))
+    (episode,) = Harness(ENV).run(policy(openai_server), tasks(1))
     assert "not valid JSON" in episode.completions[0].error
     assert "tool_calls" not in episode.messages[1]  # an unanswered call would make the next request invalid
     feedback = episode.messages[2]
@@ -58,7 +58,7 @@ def test_malformed_tool_call_json_is_shown_to_the_model(openai_server, mode):
 def test_faults_are_retried_and_no_sample_is_lost_or_duplicated(openai_server):
     openai_server.inject("429", "500", "hang", "drop", "500", "drop")
     teacher = policy(openai_server)
-    episodes = run_episodes(ENV, teacher, tasks(10), samples=2, sampling=Sampling(temperature=1.0, seed=0))
+    episodes = Harness(ENV).run(teacher, tasks(10), samples=2, sampling=Sampling(temperature=1.0, seed=0))
     assert len(episodes) == 20 and all(e.passed and e.turns == 2 for e in episodes)
     assert openai_server.seen_faults == Counter({"500": 2, "drop": 2, "429": 1, "hang": 1})
     stats = teacher.stats
@@ -73,7 +73,7 @@ def test_retry_after_is_honoured(openai_server):
     openai_server.retry_after = "1"
     openai_server.inject("429")
     started = time.monotonic()
-    (episode,) = run_episodes(ENV, policy(openai_server), tasks(1), max_turns=1)
+    (episode,) = Harness(ENV, Limits(max_turns=1)).run(policy(openai_server), tasks(1))
     assert time.monotonic() - started >= 1.0
     assert episode.messages[1]["tool_calls"]
 
@@ -124,7 +124,7 @@ def test_a_refused_key_stops_with_a_clear_error_that_hides_the_key(openai_server
     assert teacher.stats["requests"] <= 4 and teacher.stats["retries"] == 0  # fails fast: no retrying a 401
 
     monkeypatch.setenv("FLYWHEEL_TEST_TEACHER_KEY", right)
-    (episode,) = run_episodes(ENV, policy(openai_server, api_key_env="FLYWHEEL_TEST_TEACHER_KEY"), tasks(1))
+    (episode,) = Harness(ENV).run(policy(openai_server, api_key_env="FLYWHEEL_TEST_TEACHER_KEY"), tasks(1))
     assert episode.passed
 
     monkeypatch.delenv("FLYWHEEL_TEST_TEACHER_KEY")
@@ -135,13 +135,13 @@ def test_a_refused_key_stops_with_a_clear_error_that_hides_the_key(openai_server
 def test_cache_replays_without_calls_and_keeps_samples_apart(openai_server, tmp_path):
     cache = tmp_path / "cache.sqlite"
     sampling = Sampling(temperature=1.0, seed=7)
-    first = run_episodes(ENV, policy(openai_server, cache=cache), tasks(4), samples=3, sampling=sampling)
+    first = Harness(ENV).run(policy(openai_server, cache=cache), tasks(4), samples=3, sampling=sampling)
     assert len(openai_server.received) == 24 and len(ResponseCache(cache)) == 24
     # the 3 samples of a task are 3 requests with 3 seeds, not one answer copied 3 times
     assert Counter(body["seed"] for body in openai_server.received) == {7: 8, 8: 8, 9: 8}
 
     replay = policy(openai_server, cache=cache)
-    again = run_episodes(ENV, replay, tasks(4), samples=3, sampling=sampling)
+    again = Harness(ENV).run(replay, tasks(4), samples=3, sampling=sampling)
     assert len(openai_server.received) == 24 and replay.stats["cache_hits"] == 24 and replay.stats["requests"] == 0
     assert [e.messages for e in again] == [e.messages for e in first]
     assert [c.latency_s for e in again for c in e.completions] == [c.latency_s for e in first for c in e.completions]
@@ -151,12 +151,12 @@ def test_an_endpoint_that_dies_half_way_loses_nothing_and_resends_nothing(openai
     cache = tmp_path / "cache.sqlite"
     openai_server.down_after = 10  # then every request has its connection dropped
     with pytest.raises(TeacherError, match="looks down") as err:
-        run_episodes(ENV, policy(openai_server, cache=cache, breaker_failures=4), tasks(12))
+        Harness(ENV).run(policy(openai_server, cache=cache, breaker_failures=4), tasks(12))
     assert f"cached in {cache}" in str(err.value)
     assert openai_server.answers == 10 and len(ResponseCache(cache)) == 10
 
     openai_server.down_after = None
-    episodes = run_episodes(ENV, policy(openai_server, cache=cache), tasks(12))
+    episodes = Harness(ENV).run(policy(openai_server, cache=cache), tasks(12))
     assert all(e.passed for e in episodes)
     assert openai_server.answers == 24 and set(openai_server.answered.values()) == {1}
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.config import TeacherConfig
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies.base import Sampling
@@ -17,7 +17,8 @@ TASKS = list(itertools.islice(ENV.generate_tasks(0), 400))
 
 
 def passed(policy, samples: int = 1) -> list[bool]:
-    return [e.passed for e in run_episodes(ENV, policy, TASKS, samples=samples, sampling=Sampling(), max_turns=4)]
+    return [e.passed for e in Harness(ENV, Limits(max_turns=4)).run(policy, TASKS, samples=samples,
+                                                                    sampling=Sampling())]
 
 
 def test_a_perfect_oracle_solves_every_task():

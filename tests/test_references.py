@@ -8,6 +8,7 @@ import itertools
 import pandas as pd
 import pytest
 
+from flywheel.agent import Harness, Limits
 from flywheel.config import ReferenceConfig
 from flywheel.contract import UserError
 from flywheel.envs.calculator import CalculatorEnv
@@ -18,7 +19,8 @@ from flywheel.policies.oracle import OraclePolicy
 
 ENV = CalculatorEnv()
 TASKS = list(itertools.islice(ENV.generate_tasks(3), 20))
-RUN = {"max_turns": 4, "tool_timeout_s": 2.0}
+LIMITS = Limits(max_turns=4, tool_timeout_s=2.0)
+HARNESS = Harness(ENV, LIMITS)
 
 
 def _reference(server, **kw) -> ReferenceConfig:
@@ -27,14 +29,14 @@ def _reference(server, **kw) -> ReferenceConfig:
 
 
 def test_the_null_policy_answers_nothing_and_costs_nothing():
-    scored = score_arm(null_arm(), ENV, TASKS, samples=3, **RUN)  # deterministic: one greedy episode per task
+    scored = score_arm(null_arm(), HARNESS, TASKS, samples=3)  # deterministic: one greedy episode per task
     assert len(scored.rows) == len(TASKS) and {r["sample"] for r in scored.rows} == {0}
     assert all(r["reward"] == 0.0 and not r["passed"] and r["tokens"] == 0 and r["cost_usd"] == 0.0
                for r in scored.rows)
 
 
 def test_a_reference_is_scored_with_its_token_cost_and_the_candidates_shares(openai_server, tmp_path):
-    scored = score_arm(reference_arm(_reference(openai_server), tmp_path), ENV, TASKS, **RUN)
+    scored = score_arm(reference_arm(_reference(openai_server), tmp_path), HARNESS, TASKS)
     assert scored.unanswered == 0 and len(scored.rows) == len(TASKS) and all(r["passed"] for r in scored.rows)
     assert all(r["cost_usd"] > 0 and r["model"] == "prod" for r in scored.rows)
     # a candidate passing half the tasks at a tenth of the reference's cost per task
@@ -53,15 +55,15 @@ def test_a_reference_that_dies_midway_is_incomplete_with_the_count(openai_server
     every connection; past its retry and breaker the rest are unanswered, and nothing raises."""
     openai_server.down_after = 10
     ref = _reference(openai_server, concurrency=4, max_retries=1, breaker_failures=2, timeout_s=5)
-    scored = score_arm(reference_arm(ref, tmp_path), ENV, TASKS, **RUN)
+    scored = score_arm(reference_arm(ref, tmp_path), HARNESS, TASKS)
     assert len(scored.rows) == 4 and scored.unanswered == 16
     assert "TeacherError" in scored.failure and "looks down" in scored.failure
     shares = reference_shares(pd.DataFrame(scored.rows), "rl", "prod", scored.unanswered, scored.failure)
     assert shares["incomplete"] and shares["tasks"] == 4 and shares["unanswered"] == 16
     assert "INCOMPLETE: 16 task(s) unanswered" in reference_line("prod", shares)
     # a key that is not set: nothing answered, nothing raised
-    unset = score_arm(reference_arm(_reference(openai_server, api_key_env="NO_SUCH_KEY_SET"), tmp_path), ENV,
-                      TASKS, **RUN)
+    unset = score_arm(reference_arm(_reference(openai_server, api_key_env="NO_SUCH_KEY_SET"), tmp_path), HARNESS,
+                      TASKS)
     assert unset.rows == [] and unset.unanswered == len(TASKS) and "NO_SUCH_KEY_SET" in unset.failure
 
 
@@ -76,7 +78,7 @@ class FailingUsers(CalculatorEnv):
 
 def test_episodes_of_a_failed_simulated_user_are_left_out_and_counted():
     env = FailingUsers()
-    scored = evaluate_policy(OraclePolicy(env), env, TASKS, "rl", **RUN)
+    scored = evaluate_policy(OraclePolicy(env), Harness(env, LIMITS), TASKS, "rl")
     assert scored.user_errors == 10 and len(scored.rows) == 10
     assert {r["task_id"] for r in scored.rows} == {t.task_id for t in TASKS[::2]}
     assert all(r["passed"] for r in scored.rows)

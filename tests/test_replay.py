@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flywheel.agent import call_tool, run_episodes
+from flywheel.agent import Harness, Limits, call_tool
 from flywheel.config import ConfigError, ReplayConfig, UserConfig, load_pipeline, load_pipelines
 from flywheel.contract import ToolError, conversation_hash, prompt_hash
 from flywheel.data.catalog import Catalog
@@ -285,7 +285,7 @@ def test_replayed_with_the_recorded_user_the_agent_passes_and_doing_nothing_scor
     cfg = load_pipeline("bank", root / "pipelines.yaml")
     env = load_environment(cfg.environment, root, "bank")
     tasks = env.recorded_tasks()
-    episodes = run_episodes(env, Recorded(recorded_conversations(root)), tasks, max_turns=24)
+    episodes = Harness(env, Limits(max_turns=24)).run(Recorded(recorded_conversations(root)), tasks)
     assert [e.reward for e in episodes] == [1.0] * len(tasks) and all(e.stop == "answer" for e in episodes)
     assert env.counters["replay_unmatched"] == 0
     # the whole conversation went by: every recorded user turn was said, in order
@@ -293,11 +293,11 @@ def test_replayed_with_the_recorded_user_the_agent_passes_and_doing_nothing_scor
         said = [m["content"] for m in episode.messages[len(episode.task.prompt):] if m["role"] == "user"]
         assert said == [m["content"] for m in episode.task.data["users"]] and len(said) >= 2
     for policy in (Says(""), Says(ASK_ID)):
-        nothing = run_episodes(env, policy, tasks, max_turns=24)
+        nothing = Harness(env, Limits(max_turns=24)).run(policy, tasks)
         assert max(e.reward for e in nothing) <= 0.1 and not any(e.passed for e in nothing), policy.text
         assert all(e.stop == "answer" for e in nothing), "the recorded user ran out of turns: it ended"
     single = ReplayEnv(tasks_table=env.tasks_table, user=UserConfig(kind="none"))  # the first exchange only
-    (first,) = run_episodes(single, Says(ASK_ID), [tasks[0]], max_turns=24)
+    (first,) = Harness(single, Limits(max_turns=24)).run(Says(ASK_ID), [tasks[0]])
     assert first.turns == 1 and first.stop == "answer"
 
 
@@ -395,7 +395,7 @@ def test_an_openai_teacher_replaying_the_trace_scores_one_and_a_wrong_write_zero
     with OracleServer() as server:
         server.replay = TraceReplayer(conversations)
         teacher = get_policy("openai", model="replayer", base_url=server.url, cache=None)
-        episodes = run_episodes(env, teacher, tasks, max_turns=24)
+        episodes = Harness(env, Limits(max_turns=24)).run(teacher, tasks)
         assert [e.reward for e in episodes] == [1.0] * len(tasks)
         assert all(e.breakdown == {"writes": 1.0, "facts": 1.0} for e in episodes)
         assert env.counters["replay_unmatched"] == 0
@@ -410,7 +410,7 @@ def test_an_openai_teacher_replaying_the_trace_scores_one_and_a_wrong_write_zero
                         arguments = json.loads(call["function"]["arguments"])
                         call["function"]["arguments"] = json.dumps({**arguments, "amount": arguments["amount"] + 5})
         server.replay = TraceReplayer(wrong)
-        [episode] = run_episodes(env, teacher, [task], max_turns=24)
+        [episode] = Harness(env, Limits(max_turns=24)).run(teacher, [task])
         teacher.close()
     assert episode.breakdown["writes"] == 0.0 and episode.reward < 1.0
     assert any(m["role"] == "tool" and m["content"].startswith("Error: not available in replay: transfer_funds")
@@ -530,7 +530,7 @@ def test_an_sft_row_from_a_trace_renders_as_rl_and_evaluate_show_its_task(collec
                and json.loads(traces.set_index("trace_id").loc[r["sample_id"][6:], "tools"]) == [])
     assert json.loads(row["tools"]) == env.tools() != [], "the tools RL and evaluate show, not the logged []"
     task = next(t for t in env.recorded_tasks() if t.task_id == row["task_id"])
-    (episode,) = run_episodes(env, Recorded(recorded_conversations(root)), [task], max_turns=24)
+    (episode,) = Harness(env, Limits(max_turns=24)).run(Recorded(recorded_conversations(root)), [task])
     assert episode.passed
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_student)
@@ -570,7 +570,7 @@ def test_an_llm_user_plays_the_records_scenario_or_one_written_once_and_cached(t
     assert openai_server.answers == asked
 
     task = next(t for t in tasks if t.slice == "replay/bank")
-    (episode,) = run_episodes(env, Says("Could you tell me more?"), [task], max_turns=24)
+    (episode,) = Harness(env, Limits(max_turns=24)).run(Says("Could you tell me more?"), [task])
     said = [m["content"] for m in episode.messages[len(task.prompt):] if m["role"] == "user"]
     assert said and all(line in task.data["scenario"] for line in said), "the user plays its scenario"
     assert episode.stop == "answer" and episode.scored and episode.reward == 0.0  # it said STOP; nothing done
@@ -578,5 +578,5 @@ def test_an_llm_user_plays_the_records_scenario_or_one_written_once_and_cached(t
 
     openai_server.down_after = 0  # the user's model is down: the episode is the user's failure, not the agent's
     fresh = load_environment(load_pipeline("bank", tmp_path / "pipelines.yaml").environment, tmp_path, "bank")
-    (broken,) = run_episodes(fresh, Says("Anything else?"), [task], max_turns=24)
+    (broken,) = Harness(fresh, Limits(max_turns=24)).run(Says("Anything else?"), [task])
     assert broken.stop == "user_error" and not broken.scored and fresh.counters["user_errors"] == 1

@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_rl_loop import GradedCalculator, weights
 
+from flywheel.agent import Harness, Limits
 from flywheel.checkpoints import load_student
 from flywheel.config import RLConfig
 from flywheel.data.schemas import Rollouts
@@ -40,11 +41,10 @@ CFG = RLConfig(steps=3, tasks_per_step=3, group_size=3, minibatch_size=8, lr=1e-
 def test_an_actor_process_gives_the_in_process_run(tiny_student, tasks, tmp_path, staleness):
     """The same rollouts and the same weights whether the learner generates itself or an actor process does:
     at max_staleness 0 (the synchronous baseline) and at 1, where step s is made by exactly version s - 1."""
-    in_process, _ = train_rl(tiny_student, GradedCalculator(), tasks,
-                             CFG.model_copy(update={"actors": 0, "max_staleness": staleness}), tmp_path / "sync", 1)
-    actor, summary = train_rl(tiny_student, GradedCalculator(), tasks,
-                              CFG.model_copy(update={"actors": 1, "max_staleness": staleness}),
-                              tmp_path / "async0", 1)
+    in_process, _ = train_rl(tiny_student, Harness(GradedCalculator(), Limits(max_turns=1)), tasks,
+                             CFG.model_copy(update={"actors": 0, "max_staleness": staleness}), tmp_path / "sync")
+    actor, summary = train_rl(tiny_student, Harness(GradedCalculator(), Limits(max_turns=1)), tasks,
+                              CFG.model_copy(update={"actors": 1, "max_staleness": staleness}), tmp_path / "async0")
     assert actor == in_process
     assert all(r["policy_version"] == r["step"] for r in actor)
     assert all(r["behaviour_version"] == max(r["step"] - staleness, 0) for r in actor)
@@ -61,8 +61,8 @@ def test_async_reward_rises_within_the_staleness_bound(tiny_student, tasks, tmp_
     cfg = CFG.model_copy(update={"steps": 30, "tasks_per_step": 8, "group_size": 4, "minibatch_size": 32,
                                  "lr": 1e-2, "seed": 0, "actors": 1, "max_staleness": 1})
     seen = []
-    rows, summary = train_rl(tiny_student, GradedCalculator(), tasks, cfg, tmp_path / "rl", 1,
-                             on_step=lambda step, m: seen.append(m))
+    rows, summary = train_rl(tiny_student, Harness(GradedCalculator(), Limits(max_turns=1)), tasks, cfg,
+                             tmp_path / "rl", on_step=lambda step, m: seen.append(m))
     table = Rollouts.validate(pd.DataFrame(rows, columns=list(Rollouts.to_schema().columns)))
     lag = table["policy_version"] - table["behaviour_version"]
     assert (lag[~table["dropped"]] <= cfg.max_staleness).all()
@@ -88,7 +88,7 @@ class BrokenRubric(CalculatorEnv):
 def test_an_actor_failure_stops_the_run_with_its_traceback(tiny_student, tasks, tmp_path):
     cfg = CFG.model_copy(update={"actors": 1, "max_staleness": 1})
     with pytest.raises(RuntimeError, match="RL actor 0 failed") as failure:
-        train_rl(tiny_student, BrokenRubric(), tasks, cfg, tmp_path / "rl", 1)
+        train_rl(tiny_student, Harness(BrokenRubric(), Limits(max_turns=1)), tasks, cfg, tmp_path / "rl")
     assert "ArithmeticError: rubric exploded" in str(failure.value)
     assert not (tmp_path / "rl").exists()
 
@@ -113,6 +113,7 @@ import itertools, json, sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 from test_rl_loop import GradedCalculator
+from flywheel.agent import Harness, Limits
 from flywheel.config import RLConfig
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.train.rl.loop import train_rl
@@ -120,7 +121,8 @@ from flywheel.train.rl.loop import train_rl
 if __name__ == "__main__":
     tasks = list(itertools.islice(CalculatorEnv().generate_tasks(1), 50))
     cfg = RLConfig.model_validate_json({cfg!r})
-    rows, summary = train_rl(Path({student!r}), GradedCalculator(), tasks, cfg, Path({out!r}), 1)
+    rows, summary = train_rl(Path({student!r}), Harness(GradedCalculator(), Limits(max_turns=1)), tasks, cfg,
+                             Path({out!r}))
     Path({result!r}).write_text(json.dumps({{"rows": rows, "summary": summary}}))
 """
 
@@ -156,8 +158,9 @@ def test_killed_run_resumes_from_its_last_checkpoint(tiny_student, tasks, tmp_pa
     assert not checkpoints.exists()  # a finished run leaves no checkpoints behind
 
     # Exactly the run that was never interrupted (which version makes a step is fixed): rows and weights.
-    whole, _ = train_rl(tiny_student, GradedCalculator(), tasks, cfg.model_copy(update={"actors": 0}),
-                        tmp_path / "whole", 1, checkpoint_dir=tmp_path / "whole-checkpoints")
+    whole, _ = train_rl(tiny_student, Harness(GradedCalculator(), Limits(max_turns=1)), tasks,
+                        cfg.model_copy(update={"actors": 0}), tmp_path / "whole",
+                        checkpoint_dir=tmp_path / "whole-checkpoints")
     assert resumed["rows"] == whole
     a, b = weights(load_student(tmp_path / "models" / "rl")[0]), weights(load_student(tmp_path / "whole")[0])
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -176,8 +179,10 @@ def test_the_actors_environment_counts_reach_the_stages_environment(tiny_student
     learner's (the one the stage logs as env.<counter>), exactly as an in-process run counts them."""
     cfg = CFG.model_copy(update={"max_staleness": 1})
     in_process, in_actors = CountingCalculator(), CountingCalculator()
-    train_rl(tiny_student, in_process, tasks, cfg.model_copy(update={"actors": 0}), tmp_path / "sync", 1)
-    train_rl(tiny_student, in_actors, tasks, cfg.model_copy(update={"actors": 1}), tmp_path / "async", 1)
+    train_rl(tiny_student, Harness(in_process, Limits(max_turns=1)), tasks, cfg.model_copy(update={"actors": 0}),
+             tmp_path / "sync")
+    train_rl(tiny_student, Harness(in_actors, Limits(max_turns=1)), tasks, cfg.model_copy(update={"actors": 1}),
+             tmp_path / "async")
     rollouts = cfg.steps * cfg.tasks_per_step * cfg.group_size
     assert in_process.counters["scored"] == rollouts
     assert in_actors.counters == in_process.counters

@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_rl_loop import GradedCalculator, weights
 
+from flywheel.agent import Harness, Limits
 from flywheel.checkpoints import load_student
 from flywheel.config import RLConfig
 from flywheel.envs.calculator import CalculatorEnv
@@ -73,12 +74,13 @@ def test_a_filtered_run_is_reproducible_and_an_actor_process_gives_the_in_proces
                                                                                         staleness):
     cfg = CFG.model_copy(update={"max_staleness": staleness})
     seen = []
-    local, _ = train_rl(tiny_student, GradedCalculator(), TASKS[:8], cfg.model_copy(update={"actors": 0}),
-                        tmp_path / "local", max_turns=1, on_step=lambda step, m: seen.append(m["lr"]))
-    again, _ = train_rl(tiny_student, GradedCalculator(), TASKS[:8], cfg.model_copy(update={"actors": 0}),
-                        tmp_path / "again", max_turns=1)
-    remote, _ = train_rl(tiny_student, GradedCalculator(), TASKS[:8], cfg.model_copy(update={"actors": 1}),
-                         tmp_path / "remote", max_turns=1)
+    local, _ = train_rl(tiny_student, Harness(GradedCalculator(), Limits(max_turns=1)), TASKS[:8],
+                        cfg.model_copy(update={"actors": 0}), tmp_path / "local",
+                        on_step=lambda step, m: seen.append(m["lr"]))
+    again, _ = train_rl(tiny_student, Harness(GradedCalculator(), Limits(max_turns=1)), TASKS[:8],
+                        cfg.model_copy(update={"actors": 0}), tmp_path / "again")
+    remote, _ = train_rl(tiny_student, Harness(GradedCalculator(), Limits(max_turns=1)), TASKS[:8],
+                         cfg.model_copy(update={"actors": 1}), tmp_path / "remote")
     assert local == again
     assert [{k: v for k, v in r.items()} for r in local] == remote
     for name in ("again", "remote"):

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.checkpoints import load_student
 from flywheel.config import RLConfig, TinyModelConfig
 from flywheel.contract import Score
@@ -63,7 +63,7 @@ def weights(model) -> dict[str, torch.Tensor]:
 
 def test_rl_run_learns_logs_and_saves(student, tasks, tmp_path):
     seen = []
-    rows, summary = train_rl(student, GradedCalculator(), tasks, CFG, tmp_path / "rl", max_turns=1,
+    rows, summary = train_rl(student, Harness(GradedCalculator(), Limits(max_turns=1)), tasks, CFG, tmp_path / "rl",
                              on_step=lambda step, m: seen.append((step, m)))
     assert len(rows) == CFG.steps * CFG.tasks_per_step * CFG.group_size
     assert all(set(r) == ROW_KEYS for r in rows)
@@ -99,8 +99,8 @@ def test_rl_run_learns_logs_and_saves(student, tasks, tmp_path):
 
 def test_rerun_is_reproducible(student, tasks, tmp_path):
     cfg = CFG.model_copy(update={"steps": 1, "tasks_per_step": 2})
-    first, _ = train_rl(student, GradedCalculator(), tasks, cfg, tmp_path / "a", max_turns=1)
-    second, _ = train_rl(student, GradedCalculator(), tasks, cfg, tmp_path / "b", max_turns=1)
+    first, _ = train_rl(student, Harness(GradedCalculator(), Limits(max_turns=1)), tasks, cfg, tmp_path / "a")
+    second, _ = train_rl(student, Harness(GradedCalculator(), Limits(max_turns=1)), tasks, cfg, tmp_path / "b")
     assert first == second
     a, b = weights(load_student(tmp_path / "a")[0]), weights(load_student(tmp_path / "b")[0])
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -110,7 +110,7 @@ def test_groups_without_signal_are_skipped_and_change_nothing(student, tasks, tm
     # The real exact-answer rubric: an untrained model fails every task, so every group is skipped.
     cfg = CFG.model_copy(update={"steps": 2})
     seen = []
-    rows, summary = train_rl(student, CalculatorEnv(), tasks, cfg, tmp_path / "rl", max_turns=1,
+    rows, summary = train_rl(student, Harness(CalculatorEnv(), Limits(max_turns=1)), tasks, cfg, tmp_path / "rl",
                              on_step=lambda step, m: seen.append(m))
     assert all(r["reward"] == 0.0 and r["advantage"] is None for r in rows)
     assert seen[0]["skipped_groups"] == cfg.tasks_per_step and seen[0]["updates"] == 0
@@ -142,8 +142,8 @@ def test_an_output_identical_to_its_input_is_said(student, tmp_path):
 
 def oracle_episodes(env, n_tasks: int, samples: int):
     """Oracle episodes with the token ids and logprobs an HF policy would return (the template's own tokens)."""
-    episodes = run_episodes(env, OraclePolicy(env), list(itertools.islice(env.generate_tasks(5), n_tasks)),
-                            samples=samples)
+    episodes = Harness(env).run(OraclePolicy(env), list(itertools.islice(env.generate_tasks(5), n_tasks)),
+                                samples=samples)
     for i, episode in enumerate(episodes):
         episode.reward = float(i % 2)
     return episodes
@@ -228,7 +228,7 @@ def test_retokenised_differently_becomes_per_turn_segments(student):
 def test_groups_must_hold_one_task(student):
     env = CalculatorEnv()
     _, tokenizer = load_student(student)
-    episodes = run_episodes(env, OraclePolicy(env), list(itertools.islice(env.generate_tasks(0), 3)))
+    episodes = Harness(env).run(OraclePolicy(env), list(itertools.islice(env.generate_tasks(0), 3)))
     with pytest.raises(ValueError, match="do not split"):
         make_groups(episodes, 2, tokenizer, env.tools(), 128, 0, 0)
     with pytest.raises(ValueError, match="mixes tasks"):
@@ -239,9 +239,28 @@ def test_groups_must_hold_one_task(student):
 def test_kl_to_the_starting_checkpoint_and_other_normalisations(student, tasks, tmp_path, loss_type):
     cfg = CFG.model_copy(update={"steps": 2, "kl_beta": 0.1, "loss_type": loss_type})
     seen = []
-    train_rl(student, GradedCalculator(), tasks, cfg, tmp_path / "rl", max_turns=1,
+    train_rl(student, Harness(GradedCalculator(), Limits(max_turns=1)), tasks, cfg, tmp_path / "rl",
              on_step=lambda step, m: seen.append(m))
     trained = [m for m in seen if m["updates"]]
     # the first minibatch starts at the reference itself (KL 0); the updates move the policy away from it
     assert trained and all(0.0 < m["kl"] < 1.0 for m in trained)
     assert all("kl" not in m for m in seen if m["updates"] == 0)
+
+
+def test_the_actors_rollout_runs_under_the_environments_tool_timeout_and_token_budget(slow_tool_harness,
+                                                                                      tool_caller, tiny_student):
+    """Each RL group is generated in the pipeline's harness: its tool timeout (not a fixed 2 s) and its token budget."""
+    from transformers import AutoTokenizer
+
+    from flywheel.train.rl.actor import rollout
+    from flywheel.train.rl.source import Work
+
+    tasks = list(slow_tool_harness.env.generate_tasks(0))
+    cfg = RLConfig(group_size=2, tasks_per_step=len(tasks), max_new_tokens=5, max_length=128)
+    groups = rollout(slow_tool_harness, tool_caller, AutoTokenizer.from_pretrained(str(tiny_student)),
+                     Work(step=0, tasks=tasks, seed=0), cfg, version=0)
+    episodes = len(tasks) * cfg.group_size
+    assert tool_caller.turns == 2  # cut by the 10-token budget, not the 8 turns
+    assert [r.tokens for g in groups for r in g.rollouts] == [10] * episodes
+    counters = slow_tool_harness.env.counters
+    assert counters["tool_timeouts"] == 2 * episodes and counters["conversations_cut"] == episodes

@@ -12,7 +12,7 @@ import torch
 from test_rl_loop import weights
 
 from flywheel import promotion, registry
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.checkpoints import load_student
 from flywheel.config import GateConfig, RLConfig
 from flywheel.envs.calculator import (
@@ -74,11 +74,12 @@ CFG = RLConfig(steps=4, monitor_every=2, monitor_tasks=12, max_audit_drop=0.1)
 def watched_run(env, policies) -> Monitor:
     """A run's course as the monitor sees it: step s trains (and is rewarded by env) with policies[s], which
     is then the policy audited; the training reward is env's mean reward of that policy on train tasks."""
-    monitor = Monitor(env, audit_sample(HELDOUT, CFG.monitor_tasks), CFG, max_turns=4)
+    harness = Harness(env, Limits(max_turns=4))
+    monitor = Monitor(harness, audit_sample(HELDOUT, CFG.monitor_tasks), CFG)
     history: list[dict] = []
     monitor.check(0, policies[0], history)
     for step, policy in enumerate(policies):
-        episodes = run_episodes(env, policy, TRAIN, samples=1, sampling=Sampling(temperature=0.0), max_turns=4)
+        episodes = harness.run(policy, TRAIN, samples=1, sampling=Sampling(temperature=0.0))
         history.append({"reward_mean": float(np.mean([e.reward for e in episodes]))})
         if monitor.due(step + 1):
             monitor.check(step + 1, policy, history)
@@ -156,14 +157,23 @@ def test_a_watched_run_learns_exactly_what_an_unwatched_one_does(student, tmp_pa
 
     cfg = LOOP.model_copy(update={"steps": 2, "monitor_every": 1, "monitor_tasks": 4})
     env = GradedCalculator()
-    monitor = Monitor(env, audit_sample(HELDOUT, cfg.monitor_tasks), cfg, max_turns=1)
+    harness = Harness(env, Limits(max_turns=1))
+    monitor = Monitor(harness, audit_sample(HELDOUT, cfg.monitor_tasks), cfg)
     seen = []
-    watched, summary = train_rl(student, env, TRAIN, cfg, tmp_path / "a", max_turns=1, monitor=monitor,
+    watched, summary = train_rl(student, harness, TRAIN, cfg, tmp_path / "a", monitor=monitor,
                                 on_step=lambda step, m: seen.append(m))
-    plain, _ = train_rl(student, env, TRAIN, cfg, tmp_path / "b", max_turns=1)
+    plain, _ = train_rl(student, harness, TRAIN, cfg, tmp_path / "b")
     assert watched == plain
     a, b = weights(load_student(tmp_path / "a")[0]), weights(load_student(tmp_path / "b")[0])
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [c["version"] for c in monitor.checks] == [0, 1, 2]
     assert all(AUDIT_PASS in m and REWARD_AUDIT_GAP in m and REWARD_HACKING in m for m in seen)
     assert summary[REWARD_HACKING] == 0.0 and f"{AUDIT_PASS}_last" in summary
+
+
+def test_the_monitor_audits_under_the_environments_tool_timeout_and_token_budget(slow_tool_harness, tool_caller):
+    tasks = list(slow_tool_harness.env.generate_tasks(0))
+    Monitor(slow_tool_harness, tasks, CFG).check(0, tool_caller, [])
+    assert tool_caller.turns == 2  # cut by the 10-token budget, not the 8 turns
+    counters = slow_tool_harness.env.counters
+    assert counters["tool_timeouts"] == 2 * len(tasks) and counters["conversations_cut"] == len(tasks)

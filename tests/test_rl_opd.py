@@ -15,7 +15,7 @@ from openai_server import OracleServer
 from pydantic import ValidationError
 from test_rl_loop import as_sampled, oracle_episodes, weights
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.checkpoints import load_student
 from flywheel.config import OPDConfig, RLConfig, TinyModelConfig
 from flywheel.envs.calculator import CalculatorEnv
@@ -73,8 +73,8 @@ def _batch(student_path, tasks):
     """A collated batch of the student's own sampled calculator episodes (with tool results in them)."""
     env = CalculatorEnv()
     policy = HFPolicy(student_path)
-    episodes = run_episodes(env, policy, tasks[:4], samples=2, max_turns=2,
-                            sampling=Sampling(temperature=1.0, max_new_tokens=16, seed=0))
+    episodes = Harness(env, Limits(max_turns=2)).run(policy, tasks[:4], samples=2,
+                                                     sampling=Sampling(temperature=1.0, max_new_tokens=16, seed=0))
     groups = make_groups(episodes, 2, policy.tokenizer, env.tools(), 128, 0, 0)
     return collate([s for g in groups for s in samples_of(g, [0.0] * len(g.rollouts))],
                    policy.tokenizer.pad_token_id)
@@ -140,8 +140,9 @@ def test_an_opd_run_logs_the_kl_and_resumes_to_the_same_weights(tiny_student, te
                                  "opd": CFG.opd.model_copy(update={"teacher": str(teacher),
                                                                    "divergence": divergence})})
     seen = []
-    rows, summary = train_rl(tiny_student, CalculatorEnv(), tasks, cfg, tmp_path / "whole", max_turns=2,
-                             checkpoint_dir=tmp_path / "whole-ck", on_step=lambda s, m: seen.append(m))
+    rows, summary = train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg,
+                             tmp_path / "whole", checkpoint_dir=tmp_path / "whole-ck",
+                             on_step=lambda s, m: seen.append(m))
     assert summary["updates"] > 0 and summary["teacher_tokens"] == summary["trained_tokens"] > 0
     assert all(m["teacher_tokens"] > 0 and m["teacher_kl"] == m["teacher_kl"] for m in seen)
     assert summary["teacher_kl_first"] == seen[0]["teacher_kl"] and summary["teacher_failed_groups"] == 0
@@ -156,10 +157,10 @@ def test_an_opd_run_logs_the_kl_and_resumes_to_the_same_weights(tiny_student, te
         if step == 1:
             raise KeyboardInterrupt("killed")
     with pytest.raises(KeyboardInterrupt):
-        train_rl(tiny_student, CalculatorEnv(), tasks, cfg, tmp_path / "cut", max_turns=2,
+        train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg, tmp_path / "cut",
                  checkpoint_dir=tmp_path / "cut-ck", on_step=stop)
-    resumed_rows, resumed = train_rl(tiny_student, CalculatorEnv(), tasks, cfg, tmp_path / "cut", max_turns=2,
-                                     checkpoint_dir=tmp_path / "cut-ck")
+    resumed_rows, resumed = train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg,
+                                     tmp_path / "cut", checkpoint_dir=tmp_path / "cut-ck")
     assert resumed["resumed_from_step"] == 2
     assert resumed_rows == rows
     a, b = weights(load_student(tmp_path / "cut")[0]), weights(load_student(tmp_path / "whole")[0])
@@ -168,9 +169,9 @@ def test_an_opd_run_logs_the_kl_and_resumes_to_the_same_weights(tiny_student, te
     # another teacher is another run: its checkpoints are not resumed from
     other = cfg.model_copy(update={"opd": cfg.opd.model_copy(update={"kl_coef": 0.5})})
     with pytest.raises(KeyboardInterrupt):
-        train_rl(tiny_student, CalculatorEnv(), tasks, other, tmp_path / "cut2", max_turns=2,
+        train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, other, tmp_path / "cut2",
                  checkpoint_dir=tmp_path / "cut2-ck", on_step=stop)
-    _, fresh = train_rl(tiny_student, CalculatorEnv(), tasks, other, tmp_path / "cut2", max_turns=2,
+    _, fresh = train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, other, tmp_path / "cut2",
                         checkpoint_dir=tmp_path / "cut2-ck", teacher=LocalTeacher(tiny_student, "cpu"))
     assert fresh["resumed_from_step"] == 0
 
@@ -178,7 +179,7 @@ def test_an_opd_run_logs_the_kl_and_resumes_to_the_same_weights(tiny_student, te
 def test_reward_plus_opd_trains_groups_of_equal_rewards(tiny_student, teacher, tasks, tmp_path):
     cfg = CFG.model_copy(update={"steps": 2, "objective": "reward+opd",
                                  "opd": CFG.opd.model_copy(update={"teacher": str(teacher)})})
-    rows, summary = train_rl(tiny_student, CalculatorEnv(), tasks, cfg, tmp_path / "rl", max_turns=2)
+    rows, summary = train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg, tmp_path / "rl")
     # the random student fails every task (equal rewards, no reward signal), yet every step learned
     assert {r["reward"] for r in rows} == {0.0}
     assert summary["skipped_groups"] == 0 and summary["updates"] == 2 * cfg.epochs_per_batch
@@ -191,7 +192,7 @@ def test_another_tokenizer_is_refused_naming_both(tiny_student, tmp_path, tasks)
     cfg = CFG.model_copy(update={"opd": CFG.opd.model_copy(update={"teacher": str(other)})})
     with pytest.raises(OPDSetupError,
                        match=rf"{other}: its tokenizer \(350 tokens.*not the student's \({tiny_student}: 380 tokens"):
-        train_rl(tiny_student, CalculatorEnv(), tasks, cfg, tmp_path / "rl", max_turns=2)
+        train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg, tmp_path / "rl")
     assert not (tmp_path / "rl").exists()
 
 
@@ -199,7 +200,7 @@ def test_a_server_without_prompt_logprobs_is_refused_at_the_start(tiny_student, 
     with OracleServer() as server:  # chat completions only, like a hosted API
         cfg = CFG.model_copy(update={"opd": OPDConfig(teacher="oracle", base_url=server.url, max_retries=0)})
         with pytest.raises(OPDSetupError, match=rf"teacher 'oracle' at {server.url}.*prompt_logprobs.*rl.opd"):
-            train_rl(tiny_student, CalculatorEnv(), tasks, cfg, tmp_path / "rl", max_turns=2)
+            train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg, tmp_path / "rl")
         assert not (tmp_path / "rl").exists()
 
 
@@ -209,8 +210,8 @@ def test_a_teacher_that_dies_mid_run_drops_that_steps_groups(tiny_student, teach
 
         def die(step, metrics):  # step 0's sequences are answered, then the server drops every connection
             server.down_after = server.answers
-        rows, summary = train_rl(tiny_student, CalculatorEnv(), tasks, cfg, tmp_path / "rl", max_turns=2,
-                                 on_step=die)
+        rows, summary = train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg,
+                                 tmp_path / "rl", on_step=die)
     assert summary["teacher_failed_groups"] == 2 * CFG.tasks_per_step
     assert summary["updates"] == CFG.epochs_per_batch  # step 0 only; nothing trained on missing log-probs
     assert [r["dropped"] for r in rows] == [r["step"] > 0 for r in rows]
@@ -221,16 +222,15 @@ def test_nan_logprobs_are_masked_and_counted_then_an_error(tiny_student, teacher
         cfg = CFG.model_copy(update={"steps": 1, "opd": OPDConfig(teacher="t", base_url=server.url,
                                                                   max_nonfinite_fraction=0.5)})
         server.inject("nan", "nan")  # the probe's (harmless there), then one sequence's: every log-prob null
-        _, summary = train_rl(tiny_student, CalculatorEnv(), tasks, cfg, tmp_path / "rl", max_turns=2)
+        _, summary = train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg, tmp_path / "rl")
         assert 0 < summary["teacher_nonfinite_tokens"] < summary["teacher_tokens"] / 2
         assert summary["teacher_tokens"] == summary["trained_tokens"] + summary["teacher_nonfinite_tokens"]
 
         # every sequence of the step broken: far past the default 1%
         server.inject(*["nan"] * (1 + CFG.tasks_per_step * CFG.group_size))
         with pytest.raises(NonFiniteTeacher, match=r"NaN or infinite log-probabilities for \d+ of the \d+ .*0.01"):
-            train_rl(tiny_student, CalculatorEnv(), tasks, cfg.model_copy(
-                update={"opd": cfg.opd.model_copy(update={"max_nonfinite_fraction": 0.01})}),
-                tmp_path / "rl2", max_turns=2)
+            train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg.model_copy(
+                update={"opd": cfg.opd.model_copy(update={"max_nonfinite_fraction": 0.01})}), tmp_path / "rl2")
 
 
 def test_exact_divergences_by_hand():

@@ -15,7 +15,7 @@ from typing import Literal, Optional
 
 import pytest
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.envs import get_environment
 from flywheel.envs.sdk import Env, Reward, RubricError, SchemaError, Task, ToolError, tasks_from_file, tool_schema
 from flywheel.policies.base import Completion
@@ -129,7 +129,7 @@ def test_a_tool_that_raises_hangs_or_returns_a_non_string_is_an_error_the_model_
 
     env = _env(broken, number, slow, refuse)
     task = Task("t1", "test", [{"role": "user", "content": "go"}], "{}", "all")
-    (episode,) = run_episodes(env, Scripted(), [task], tool_timeout_s=0.2)
+    (episode,) = Harness(env, Limits(tool_timeout_s=0.2)).run(Scripted(), [task])
     results = [m["content"] for m in episode.messages if m["role"] == "tool"]
     assert results == ["Error: tool 'broken' failed: KeyError: 'gone'",
                        "Error: tool 'number' returned int, not a string",
@@ -208,7 +208,7 @@ def test_concurrent_episodes_each_get_their_own_state_torn_down_after_scoring(tm
                   json.dumps({"who": f"w{i}"}), "all") for i in range(6)]
     env = Env("notes", tools=[write, count], tasks=lambda seed: iter(tasks), rewards=[only_own_notes],
               setup=lambda task: Db(tmp_path, task), teardown=Db.close)
-    episodes = run_episodes(env, Writer(), tasks, samples=2, max_turns=6)  # 12 episodes in one batch
+    episodes = Harness(env, Limits(max_turns=6)).run(Writer(), tasks, samples=2)  # 12 episodes in one batch
     assert len(Db.opened) == 12 and len({db.path for db in Db.opened}) == 12
     assert all(db.closed for db in Db.opened)
     for episode in episodes:
@@ -322,7 +322,7 @@ def test_the_calculator_on_the_sdk_makes_byte_identical_data():
     tasks = list(itertools.islice(env.generate_tasks(0), 1000))
     assert all(t.group == "" for t in tasks)  # a field added since, empty for generated tasks: hashed as before
     parts["tasks"] = json.dumps([_before_groups(t) for t in tasks])
-    episodes = run_episodes(env, OraclePolicy(env), tasks[:300], samples=1)
+    episodes = Harness(env).run(OraclePolicy(env), tasks[:300], samples=1)
     parts["episodes"] = json.dumps([[e.messages, e.reward, e.passed, e.breakdown, e.turns, e.stop,
                                      [c.text for c in e.completions]] for e in episodes])
     parts["from_messages"] = json.dumps([_before_groups(env.task_from_messages(e.messages)) for e in episodes])

@@ -194,7 +194,7 @@ def test_no_version_behind_the_alias_refuses_to_start(uri):
 
 
 def test_served_traffic_is_collected_with_its_version_and_labels(server, tmp_path):
-    from flywheel.agent import run_episodes
+    from flywheel.agent import Harness, Limits
     from flywheel.config import CollectConfig
     from flywheel.data.redaction import Redactor
     from flywheel.data.sources import readers
@@ -204,8 +204,8 @@ def test_served_traffic_is_collected_with_its_version_and_labels(server, tmp_pat
 
     env = CalculatorEnv()
     policy = OpenAIPolicy(model=NAME, base_url=server.url, concurrency=2, max_retries=0)
-    episodes = run_episodes(env, policy, list(islice(env.generate_tasks(7), 3)),
-                            sampling=Sampling(temperature=0.0, max_new_tokens=48), max_turns=3)
+    episodes = Harness(env, Limits(max_turns=3)).run(policy, list(islice(env.generate_tasks(7), 3)),
+                                                     sampling=Sampling(temperature=0.0, max_new_tokens=48))
     assert server.traffic.recorded >= 3 and all(e.turns >= 1 for e in episodes)
     finals = [json.loads(line) for line in next(server.traffic.folder.glob("traffic-*.jsonl")).read_text().splitlines()
               if not json.loads(line)["response"]["choices"][0]["message"].get("tool_calls")]

@@ -9,6 +9,35 @@ import pytest
 import yaml
 
 
+def test_the_loop_on_a_factory_pipeline_runs_its_environment_under_its_limits(tmp_path):
+    from test_envs_factory import _project
+
+    from flywheel.agent import Limits
+    from flywheel.serving.loop import round_harness, round_tasks
+
+    _project(tmp_path, '{factory: "envs.echo:make_env", args: {greeting: hello}, max_turns: 3, '
+                       'max_episode_tokens: 50, tool_timeout_s: 0.5}')
+    harness = round_harness("small", tmp_path)
+    assert harness.env.name == "echo" and harness.limits == Limits(max_turns=3, max_tokens=50, tool_timeout_s=0.5)
+    assert [t.prompt[0]["content"] for t in round_tasks(harness.env, 3, seed=1001)] == ["hello"]
+
+
+def test_the_loop_on_a_replay_pipeline_serves_its_collected_train_tasks(tmp_path, mlflow_store):
+    from test_replay import pipeline, write_project
+
+    from flywheel.serving.loop import round_harness, round_tasks
+    from tasks.collect import collect
+
+    write_project(tmp_path, pipeline())
+    collect.fn(pipeline="bank", root=str(tmp_path))
+    harness = round_harness("bank", tmp_path)
+    recorded = {t.task_id: t for t in harness.env.recorded_tasks()}
+    assert harness.env.name == "replay" and harness.limits.max_turns == 24 and recorded
+    tasks = round_tasks(harness.env, 5, seed=1001)
+    assert len(tasks) == 5 and all(recorded[t.task_id].split == "train" for t in tasks)
+    assert round_tasks(harness.env, 5, seed=1001) == tasks  # seeded
+
+
 @pytest.mark.slow
 def test_two_rounds_serve_the_champion_and_collect_its_traffic(project, prefect_server):
     from typer.testing import CliRunner

@@ -6,7 +6,7 @@ from itertools import islice
 
 import pytest
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.checkpoints import load_student
 from flywheel.config import SFTConfig
 from flywheel.envs.calculator import CalculatorEnv
@@ -18,7 +18,7 @@ from flywheel.train.sft import build_sft_trainer, train_sft
 @pytest.fixture(scope="module")
 def rows() -> list[dict]:
     env = CalculatorEnv()
-    episodes = run_episodes(env, OraclePolicy(env), list(islice(env.generate_tasks(11), 64)))
+    episodes = Harness(env).run(OraclePolicy(env), list(islice(env.generate_tasks(11), 64)))
     return [{"messages": e.messages, "tools": env.tools()} for e in episodes]
 
 
@@ -165,7 +165,7 @@ def test_a_shared_opening_is_read_once_with_the_same_loss_and_gradients(tiny_stu
     from flywheel.train.opening import shared_opening
 
     env = make_env(0)  # a long system prompt and four tools: an opening worth reading once
-    episodes = run_episodes(env, OraclePolicy(env), list(islice(env.generate_tasks(0), 6)), max_turns=6)
+    episodes = Harness(env, Limits(max_turns=6)).run(OraclePolicy(env), list(islice(env.generate_tasks(0), 6)))
     support = [{"messages": e.messages, "tools": env.tools()} for e in episodes]
     trainer, _, _ = build_sft_trainer(tiny_student, support, tmp_path / "sft", small(eval_fraction=0.0,
                                                                                      max_length=4096))

@@ -1,5 +1,5 @@
 """The tokens SFT trains on are the tokens the harness feeds and generates: a student memorises one multi-turn
-tool conversation, then the episode loop (run_episodes + HFPolicy on the saved student) plays it back."""
+tool conversation, then the episode loop (Harness.run + HFPolicy on the saved student) plays it back."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from itertools import islice
 import pytest
 from family_students import build_family_student, calculator_rows
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.config import SFTConfig
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies.hf import HFPolicy
@@ -20,7 +20,7 @@ from flywheel.train.sft import build_sft_trainer, train_sft
 def tool_episode():
     """An oracle episode: user, assistant tool call, tool result, assistant answer."""
     env = CalculatorEnv()
-    [episode] = run_episodes(env, OraclePolicy(env), list(islice(env.generate_tasks(5), 1)))
+    [episode] = Harness(env).run(OraclePolicy(env), list(islice(env.generate_tasks(5), 1)))
     assert [m["role"] for m in episode.messages] == ["user", "assistant", "tool", "assistant"]
     return env, episode
 
@@ -35,7 +35,7 @@ def test_sft_tokens_equal_the_episode_loops_tokens(family, tiny_student, tmp_pat
     train_sft(base, [row] * 4, tmp_path / "sft", cfg)
 
     policy = HFPolicy(tmp_path / "sft")
-    [episode] = run_episodes(env, policy, [oracle.task], max_turns=4)
+    [episode] = Harness(env, Limits(max_turns=4)).run(policy, [oracle.task])
     assert episode.passed and episode.messages == oracle.messages  # it plays the conversation back
 
     trainer, _, _ = build_sft_trainer(tmp_path / "sft", [row], tmp_path / "again", cfg)

@@ -80,7 +80,7 @@ needs_smol = pytest.mark.skipif(
 def test_smollm2_from_its_gguf_trains_with_lora_saves_safetensors_and_runs_an_episode(tmp_path):
     import torch
 
-    from flywheel.agent import run_episodes
+    from flywheel.agent import Harness, Limits
     from flywheel.envs.calculator import CalculatorEnv
     from flywheel.policies.base import Sampling
     from flywheel.policies.hf import HFPolicy
@@ -123,8 +123,8 @@ def test_smollm2_from_its_gguf_trains_with_lora_saves_safetensors_and_runs_an_ep
 
     env = CalculatorEnv()
     task = next(islice(env.generate_tasks(5), 1))
-    [episode] = run_episodes(env, HFPolicy(student, student_tokenizer, batch_size=1), [task],
-                             sampling=Sampling(temperature=0.0, max_new_tokens=48), max_turns=3)
+    [episode] = Harness(env, Limits(max_turns=3)).run(HFPolicy(student, student_tokenizer, batch_size=1), [task],
+                                                      sampling=Sampling(temperature=0.0, max_new_tokens=48))
     assert episode.completions and all(c.token_ids for c in episode.completions)
     assert episode.messages[0] == task.prompt[0] and episode.messages[1]["role"] == "assistant"
     assert 0.0 <= episode.reward <= 1.0

@@ -8,7 +8,7 @@ from itertools import islice
 
 import pytest
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.envs import ToolError, get_environment
 from flywheel.envs.support import db as database
 from flywheel.envs.support.tasks import SLICES, task_from_text
@@ -35,7 +35,7 @@ def _call(name: str, **arguments) -> dict:
 
 
 def _oracle_messages(env, task) -> list[dict]:
-    (episode,) = run_episodes(env, OraclePolicy(env), [task], max_turns=6)
+    (episode,) = Harness(env, Limits(max_turns=6)).run(OraclePolicy(env), [task])
     assert episode.passed, episode.messages
     return episode.messages
 
@@ -92,7 +92,7 @@ def test_episodes_in_one_batch_write_only_their_own_database(env, tasks):
     assert again.task_id != cancel.task_id and json.loads(again.answer)["writes"] == \
         json.loads(cancel.answer)["writes"]
     # both cancel the same order in the same turn: a shared database would refuse the second ("already cancelled")
-    episodes = run_episodes(env, OraclePolicy(env), [cancel, again], samples=2, max_turns=6)
+    episodes = Harness(env, Limits(max_turns=6)).run(OraclePolicy(env), [cancel, again], samples=2)
     assert [e.passed for e in episodes] == [True] * 4, [e.messages[-2:] for e in episodes]
     one, other = env.start(cancel), env.start(cancel)
     try:
@@ -105,7 +105,7 @@ def test_episodes_in_one_batch_write_only_their_own_database(env, tasks):
 
 
 def test_the_oracle_solves_the_generated_tasks_through_the_harness(env, tasks):
-    episodes = run_episodes(env, OraclePolicy(env), tasks, max_turns=6)
+    episodes = Harness(env, Limits(max_turns=6)).run(OraclePolicy(env), tasks)
     assert sum(e.passed for e in episodes) / len(episodes) >= 0.95
     calls = collections.Counter(sum(len(m.get("tool_calls") or []) for m in e.messages) for e in episodes)
     assert set(calls) <= {2, 3, 4} and calls[4] > 0
@@ -222,6 +222,6 @@ def test_with_a_simulated_customer_the_desk_goes_on_until_the_customer_stops(tas
     server, which has nothing to add to the request and says ###STOP###); the oracle still resolves each."""
     env = get_environment("support", args={"user": {"model": "customer", "base_url": openai_server.url,
                                                     "cache": None}})
-    episodes = run_episodes(env, OraclePolicy(env), tasks[:4], max_turns=16)
+    episodes = Harness(env, Limits(max_turns=16)).run(OraclePolicy(env), tasks[:4])
     assert all(e.stop == "answer" and e.passed for e in episodes)
     assert env.counters["user_requests"] == env.counters["user_stops"] == 4 == openai_server.answers

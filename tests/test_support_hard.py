@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.config import PipelineConfig
 from flywheel.dryrun import dry_run
 from flywheel.envs import EnvironmentLoadError, get_environment
@@ -51,7 +51,7 @@ def hard(tasks):
 
 @pytest.fixture(scope="module")
 def oracle_episodes(env, hard):
-    return run_episodes(env, OraclePolicy(env), hard, max_turns=MAX_TURNS)
+    return Harness(env, Limits(max_turns=MAX_TURNS)).run(OraclePolicy(env), hard)
 
 
 def _calls(messages: list[dict]) -> int:
@@ -72,7 +72,7 @@ def test_the_oracle_solves_every_hard_task_through_the_harness_and_doing_nothing
         next(e.messages for e in oracle_episodes if not e.passed)
     assert all(e.breakdown == {"resolved": 1.0, "db_matches": 1.0, "policy_kept": 1.0, "facts_stated": 1.0}
                for e in oracle_episodes)
-    null = run_episodes(env, NullPolicy(), hard, max_turns=MAX_TURNS)
+    null = Harness(env, Limits(max_turns=MAX_TURNS)).run(NullPolicy(), hard)
     assert all(e.reward == 0.0 for e in null)
 
 
@@ -194,10 +194,10 @@ def test_a_missing_or_forbidden_write_in_a_hard_task_scores_zero(env, hard, orac
 def test_too_few_turns_cut_a_hard_episode_unresolved(env, hard):
     task = next(t for t in hard if tool_calls_needed(_answer(t)) == HARD_CALLS[0] + 1)
     before = env.counters.get("conversations_cut", 0)
-    (cut,) = run_episodes(env, OraclePolicy(env), [task], max_turns=6)  # the support pipeline's limit
+    (cut,) = Harness(env, Limits(max_turns=6)).run(OraclePolicy(env), [task])  # the support pipeline's limit
     assert cut.stop == "max_turns" and cut.reward == 0.0 and _calls(cut.messages) == 6
     assert env.counters["conversations_cut"] == before + 1
-    (whole,) = run_episodes(env, OraclePolicy(env), [task], max_turns=7)  # its calls and the answer
+    (whole,) = Harness(env, Limits(max_turns=7)).run(OraclePolicy(env), [task])  # its calls and the answer
     assert whole.stop == "answer" and whole.passed
 
 
@@ -206,7 +206,8 @@ def test_the_dry_run_with_hard_tasks_is_clean(env):
                            .split('"""')[0])["pipelines"]["small"]
     small["environment"] = {"name": "support", "args": {"hard_fraction": HARD_FRACTION}, "train_tasks": 80,
                             "heldout_tasks": 20, "max_turns": MAX_TURNS}
-    report = dry_run("support", PipelineConfig.model_validate(small), env)
+    cfg = PipelineConfig.model_validate(small)
+    report = dry_run("support", cfg, Harness(env, Limits.from_config(cfg.environment)))
     slices = collections.Counter(e.task.slice for e in report.solver.episodes)
     assert slices["hard"] > 10, slices
     assert report.solver.passed == len(report.solver.episodes) == report.checked == 100

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.config import UserConfig
 from flywheel.envs.sdk import STOP, Env, Reward, Task, ToolError, UserError
 from flywheel.envs.users import LLMUser, visible_conversation
@@ -80,7 +80,7 @@ def llm_user(server, tmp_path, **options) -> LLMUser:
 
 def test_a_scripted_user_carries_the_episode_over_several_turns():
     env = shop(user=customer)
-    (episode,) = run_episodes(env, OraclePolicy(env), [shop_task()], max_turns=6)
+    (episode,) = Harness(env, Limits(max_turns=6)).run(OraclePolicy(env), [shop_task()])
     said = [(m["role"], m.get("content")) for m in episode.messages if m["role"] in ("user", "assistant")]
     assert said == [("user", "Where is my order?"), ("assistant", "Could you give me your order id?"),
                     ("user", "It is O-1001."), ("assistant", ""),
@@ -91,7 +91,7 @@ def test_a_scripted_user_carries_the_episode_over_several_turns():
 
 def test_without_a_user_the_conversation_ends_at_the_first_answer():
     env = shop()
-    (episode,) = run_episodes(env, OraclePolicy(env), [shop_task()], max_turns=6)
+    (episode,) = Harness(env, Limits(max_turns=6)).run(OraclePolicy(env), [shop_task()])
     assert episode.messages[-1]["content"] == "Could you give me your order id?" and episode.turns == 1
     assert env.user_turn(shop_task(), episode.messages) is None
 
@@ -105,7 +105,7 @@ def test_a_user_may_read_the_state_and_answer_with_a_message():
 
     env = Env("shop", tools=[lookup_order], tasks=no_tasks, rewards=[told_status], solver=agent,
               setup=lambda task: {"desk": task.task_id}, user=with_state)
-    (episode,) = run_episodes(env, OraclePolicy(env), [shop_task("O-2002")], max_turns=6)
+    (episode,) = Harness(env, Limits(max_turns=6)).run(OraclePolicy(env), [shop_task("O-2002")])
     assert seen == [{"desk": "t-O-2002"}, {"desk": "t-O-2002"}]
     assert episode.messages[-1]["content"] == "Your order is delayed. Anything else?" and episode.reward == 1.0
 
@@ -122,7 +122,7 @@ def test_a_user_that_raises_or_returns_nonsense_is_a_user_error():
     with pytest.raises(UserError, match="returned int 42"):
         env.user_turn(shop_task(), conversation)
     env = shop(user=broken)
-    (episode,) = run_episodes(env, OraclePolicy(env), [shop_task()], max_turns=6)  # the harness counts it once
+    (episode,) = Harness(env, Limits(max_turns=6)).run(OraclePolicy(env), [shop_task()])  # the harness counts it once
     assert episode.stop == "user_error" and not episode.scored and env.counters["user_errors"] == 1
     with pytest.raises(TypeError, match="user must be a function"):
         shop(user="the customer")
@@ -148,7 +148,7 @@ def test_an_env_with_an_llm_user_runs_whole_episodes(openai_server, tmp_path):
     env = shop(user=llm_user(openai_server, tmp_path))
     tasks = [shop_task(scenario=SCENARIO),  # the scenario field
              shop_task("O-2002")]  # none: the first user message is the scenario, which gives no order id
-    with_scenario, without = run_episodes(env, OraclePolicy(env), tasks, max_turns=8)
+    with_scenario, without = Harness(env, Limits(max_turns=8)).run(OraclePolicy(env), tasks)
     assert [m["content"] for m in with_scenario.messages if m["role"] == "user"] == [
         "Where is my order?", "My order id is O-1001."]
     assert with_scenario.stop == "answer" and with_scenario.reward == 1.0

@@ -11,7 +11,7 @@ import pytest
 import verifiers as vf
 from datasets import Dataset
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness, Limits
 from flywheel.contract import ToolError
 from flywheel.envs.verifiers import VerifiersEnv, from_verifiers
 from flywheel.policies.base import Completion
@@ -103,7 +103,7 @@ def test_dataset_tools_and_rubric_come_across(tool_env):
 
 def test_a_tool_env_runs_in_the_harness_and_its_rubric_scores(tool_env):
     tasks = [t for _, t in zip(range(3), tool_env.generate_tasks(seed=0), strict=False)]
-    episodes = run_episodes(tool_env, Scripted(), tasks, max_turns=4)
+    episodes = Harness(tool_env, Limits(max_turns=4)).run(Scripted(), tasks)
     for episode in episodes:
         city = CAPITALS[episode.task.prompt[-1]["content"].rsplit(" ", 1)[-1].rstrip("?")]
         assert [m["content"] for m in episode.messages if m["role"] == "tool"] == [city]
@@ -111,7 +111,7 @@ def test_a_tool_env_runs_in_the_harness_and_its_rubric_scores(tool_env):
         assert episode.reward == 1.0 and episode.passed
         assert episode.breakdown["exact_answer"] == 1.0 and episode.breakdown["short"] == 1.0
         assert episode.breakdown["capital_of_calls"] == 1.0  # the ToolEnv's own call-count metric
-    wrong = run_episodes(tool_env, Scripted(wrong=True), tasks, max_turns=4)
+    wrong = Harness(tool_env, Limits(max_turns=4)).run(Scripted(wrong=True), tasks)
     for episode in wrong:
         assert episode.breakdown["exact_answer"] == 0.0
         assert episode.reward == pytest.approx(0.25 / 1.25) and not episode.passed  # normalised, under 0.5
@@ -124,7 +124,7 @@ def test_a_single_turn_env_through_the_factory(monkeypatch):
     env = from_verifiers("my_vf_capitals", args={"tools": False})
     assert env.tools() == [] and env.name == "singleturnenv"
     tasks = [t for _, t in zip(range(3), env.generate_tasks(seed=0), strict=False)]
-    episodes = run_episodes(env, Scripted(), tasks, max_turns=2)
+    episodes = Harness(env, Limits(max_turns=2)).run(Scripted(), tasks)
     assert all(e.turns == 1 and e.reward == 1.0 and e.passed for e in episodes)
     with pytest.raises(ValueError, match="my_vf_capitals has no function load_env"):
         from_verifiers("my_vf_capitals:load_env")

@@ -59,16 +59,16 @@ def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipe
 
 def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bool:
     """`check --solve` over each pipeline's environment: its report printed; False when one has errors."""
+    from flywheel.agent import load_harness
     from flywheel.dryrun import NoTasksError, dry_run, render
-    from flywheel.envs import load_environment
     from flywheel.settings import configure
 
     configure(root)
     clean = True
     for name, cfg in pipelines.items():
-        env = load_environment(cfg.environment, root, pipeline=name)  # replay: the pipeline's collected tasks
+        harness = load_harness(cfg.environment, root, pipeline=name)  # replay: the pipeline's collected tasks
         try:
-            report = dry_run(name, cfg, env, sample=sample)
+            report = dry_run(name, cfg, harness, sample=sample)
         except NoTasksError as err:
             if named:
                 fail(str(err))

@@ -48,12 +48,13 @@ def preflight(root: Path, pipelines: dict, *, students: bool = True) -> dict:
 def _environments(root: Path, pipelines: dict) -> dict:
     """Build each pipeline's environment now (returned by pipeline name): an unknown factory, an import error or
     a factory that raises is an error naming the key, the module and the cause before any stage runs."""
-    from flywheel.envs import EnvironmentLoadError, load_environment
+    from flywheel.agent import load_harness
+    from flywheel.envs import EnvironmentLoadError
 
     built = {}
     for name, cfg in pipelines.items():
         try:
-            built[name] = load_environment(cfg.environment, root.resolve())
+            built[name] = load_harness(cfg.environment, root.resolve()).env
         except EnvironmentLoadError as err:
             fail(f"{root / 'pipelines.yaml'}: pipelines.{name}.{err}")
     return built

@@ -15,11 +15,11 @@ from pathlib import Path
 import pandas as pd
 
 from flywheel import registry
+from flywheel.agent import load_harness
 from flywheel.config import PipelineConfig
 from flywheel.data.catalog import Catalog
 from flywheel.data.schemas import Eval
 from flywheel.data.tasksets import row_task
-from flywheel.envs import load_environment
 from flywheel.evaluate.arms import SpecError, null_arm, score_arm, spec_arm
 from flywheel.evaluate.report import model_scores
 from flywheel.evaluate.runner import NoHeldoutError, require_heldout
@@ -60,22 +60,20 @@ def evaluate_policies(pipeline: str, root: Path, cfg: PipelineConfig, specs: lis
     twice = sorted({label for label in labels if labels.count(label) > 1})
     if twice:
         raise SpecError(f"--policy: two policies are labelled {twice}; name them apart with LABEL=SPEC")
-    env = load_environment(cfg.environment, root, pipeline)
+    harness = load_harness(cfg.environment, root, pipeline)
     samples = cfg.evaluate.samples if samples is None else samples
     described = {arm.label: arm.describe for arm in arms}
     run = registry.start_run(root, pipeline, "eval", tags={f"flywheel.policy.{k}": v for k, v in described.items()})
     try:
         run.params({"policies": " ".join(specs), "heldout_tasks": len(heldout), "samples": samples})
-        scored = {arm.label: score_arm(arm, env, heldout, max_turns=cfg.environment.max_turns,
-                                       tool_timeout_s=cfg.environment.tool_timeout_s, samples=samples,
-                                       temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed,
-                                       max_tokens=cfg.environment.max_episode_tokens) for arm in arms}
+        scored = {arm.label: score_arm(arm, harness, heldout, samples=samples, temperature=cfg.evaluate.temperature,
+                                       seed=cfg.evaluate.seed) for arm in arms}
         table = pd.DataFrame([row for s in scored.values() for row in s.rows], columns=list(Eval.to_schema().columns))
         models = model_scores(table, cfg.gate, {label: s.unanswered for label, s in scored.items()})
         greedy = table[table["sample"] == 0]
         run.metrics({score_name(m): float(f["reward"].mean()) for m, f in greedy.groupby("model")}
                     | {pass_rate_name(m): float(f["passed"].mean()) for m, f in greedy.groupby("model")}
-                    | {f"env.{k}": v for k, v in env.counters.items()})
+                    | {f"env.{k}": v for k, v in harness.env.counters.items()})
         with tempfile.TemporaryDirectory() as tmp:
             table.to_parquet(Path(tmp) / "eval.parquet", index=False)
             (Path(tmp) / "scores.json").write_text(json.dumps(json.loads(models.to_json(orient="records")),

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flywheel import registry
+from flywheel.agent import Harness
 from flywheel.config import ReferenceConfig
-from flywheel.contract import Environment, Task
+from flywheel.contract import Task
 from flywheel.evaluate.runner import Scored, evaluate_policy
 from flywheel.policies import Policy, get_policy
 
@@ -71,8 +72,8 @@ def reference_arm(ref: ReferenceConfig, root: Path, batch_size: int = 64) -> Arm
     return checkpoint_arm(ref.name, Path(ref.model), batch_size=batch_size, device=ref.device, prices=prices)
 
 
-def score_arm(arm: Arm, env: Environment, tasks: list[Task], *, max_turns: int, tool_timeout_s: float,
-              samples: int = 0, temperature: float = 1.0, seed: int = 0, max_tokens: int | None = None) -> Scored:
+def score_arm(arm: Arm, harness: Harness, tasks: list[Task], *, samples: int = 0, temperature: float = 1.0,
+              seed: int = 0) -> Scored:
     """The arm's eval rows on the tasks; a remote arm that cannot be reached or fails midway is counted unanswered."""
     failures: tuple[type[BaseException], ...] = ()
     if arm.remote:
@@ -84,9 +85,9 @@ def score_arm(arm: Arm, env: Environment, tasks: list[Task], *, max_turns: int, 
     except failures as err:  # e.g. its key's variable is not set
         return Scored([], unanswered=len(tasks), failure=f"{type(err).__name__}: {err}")
     try:
-        return evaluate_policy(policy, env, tasks, arm.label, max_turns=max_turns, tool_timeout_s=tool_timeout_s,
-                               samples=0 if arm.deterministic else samples, temperature=temperature, seed=seed,
-                               prices=arm.prices, chunk=arm.chunk, failures=failures, max_tokens=max_tokens)
+        return evaluate_policy(policy, harness, tasks, arm.label, samples=0 if arm.deterministic else samples,
+                               temperature=temperature, seed=seed, prices=arm.prices, chunk=arm.chunk,
+                               failures=failures)
     finally:
         if arm.remote:
             policy.close()  # its response cache

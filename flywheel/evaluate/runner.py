@@ -7,8 +7,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from flywheel.agent import Episode, run_episodes
-from flywheel.contract import Environment, Task, conversation_hash, prompt_hash
+from flywheel.agent import Episode, Harness
+from flywheel.contract import Task, conversation_hash, prompt_hash
 from flywheel.policies.base import Policy, Sampling
 
 
@@ -39,10 +39,9 @@ class Scored:
     failure: str = ""  # why, for the unanswered ones
 
 
-def evaluate_policy(policy: Policy, env: Environment, tasks: list[Task], label: str, *, max_turns: int,
-                    tool_timeout_s: float, samples: int = 0, temperature: float = 1.0, seed: int = 0,
-                    prices: tuple[float, float] = (0.0, 0.0), chunk: int | None = None,
-                    failures: tuple[type[BaseException], ...] = (), max_tokens: int | None = None) -> Scored:
+def evaluate_policy(policy: Policy, harness: Harness, tasks: list[Task], label: str, *, samples: int = 0,
+                    temperature: float = 1.0, seed: int = 0, prices: tuple[float, float] = (0.0, 0.0),
+                    chunk: int | None = None, failures: tuple[type[BaseException], ...] = ()) -> Scored:
     """Rows of the eval table: a greedy episode per task (sample 0), then `samples` seeded sampled ones (1..k).
 
     prices: USD per million prompt and completion tokens (the cost_usd column). Tasks run `chunk` at a time
@@ -54,12 +53,10 @@ def evaluate_policy(policy: Policy, env: Environment, tasks: list[Task], label: 
     for start in range(0, len(tasks), step):
         part = tasks[start:start + step]
         try:
-            episodes = run_episodes(env, policy, part, samples=1, sampling=Sampling(temperature=0.0),
-                                    max_turns=max_turns, tool_timeout_s=tool_timeout_s, max_tokens=max_tokens)
+            episodes = harness.run(policy, part, samples=1, sampling=Sampling(temperature=0.0))
             if samples:
-                sampled = run_episodes(env, policy, part, samples=samples,
-                                       sampling=Sampling(temperature=temperature, seed=seed),
-                                       max_turns=max_turns, tool_timeout_s=tool_timeout_s, max_tokens=max_tokens)
+                sampled = harness.run(policy, part, samples=samples,
+                                      sampling=Sampling(temperature=temperature, seed=seed))
                 for episode in sampled:
                     episode.sample += 1
                 episodes += sampled
@@ -72,10 +69,9 @@ def evaluate_policy(policy: Policy, env: Environment, tasks: list[Task], label: 
     return scored
 
 
-def evaluate_model(model_dir: Path, env: Environment, tasks: list[Task], label: str, *, max_turns: int,
-                   tool_timeout_s: float, batch_size: int, samples: int = 0, temperature: float = 1.0,
-                   seed: int = 0, device: str = "auto", chat_template: str | None = None,
-                   prices: tuple[float, float] = (0.0, 0.0), max_tokens: int | None = None) -> Scored:
+def evaluate_model(model_dir: Path, harness: Harness, tasks: list[Task], label: str, *, batch_size: int,
+                   samples: int = 0, temperature: float = 1.0, seed: int = 0, device: str = "auto",
+                   chat_template: str | None = None, prices: tuple[float, float] = (0.0, 0.0)) -> Scored:
     """evaluate_policy on a checkpoint folder, loaded with transformers.
 
     device: student.device (auto: a CUDA GPU when one is visible, else the CPU); chat_template: rendered with in
@@ -86,8 +82,8 @@ def evaluate_model(model_dir: Path, env: Environment, tasks: list[Task], label: 
     policy = HFPolicy(model_dir, batch_size=batch_size, device=device)
     if chat_template:
         policy.tokenizer.chat_template = chat_template
-    return evaluate_policy(policy, env, tasks, label, max_turns=max_turns, tool_timeout_s=tool_timeout_s,
-                           samples=samples, temperature=temperature, seed=seed, prices=prices, max_tokens=max_tokens)
+    return evaluate_policy(policy, harness, tasks, label, samples=samples, temperature=temperature, seed=seed,
+                           prices=prices)
 
 
 def _row(label: str, episode: Episode, prices: tuple[float, float]) -> dict:

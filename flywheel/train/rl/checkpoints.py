@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from flywheel.agent import Limits
 from flywheel.checkpoints import save_student
 from flywheel.config import RLConfig
 from flywheel.contract import Task
@@ -27,10 +28,11 @@ _EXECUTION_KEYS = {"steps", "checkpoint_every", "actors", "learner_threads", "ac
                    "actor_devices", "monitor_every", "monitor_tasks", "max_audit_drop"}
 
 
-def fingerprint(model_dir: Path, tasks: list[Task], cfg: RLConfig, env_name: str, max_turns: int,
-                max_tokens: int | None = None, teacher: str = "") -> str:
-    """A hash of what a run's results depend on: the start checkpoint's files, the tasks and the config (and
-    on-policy distillation's teacher: its checkpoint's bytes, or its server and model)."""
+def fingerprint(model_dir: Path, tasks: list[Task], cfg: RLConfig, env_name: str, limits: Limits,
+                teacher: str = "") -> str:
+    """A hash of what a run's results depend on: the start checkpoint's files, the tasks, the config, the
+    environment and the harness's limits, every one (and on-policy distillation's teacher: its checkpoint's bytes,
+    or its server and model)."""
     digest = hashlib.sha256(str(model_dir).encode())
     if Path(model_dir).is_dir():
         for file in sorted(Path(model_dir).iterdir()):
@@ -40,7 +42,7 @@ def fingerprint(model_dir: Path, tasks: list[Task], cfg: RLConfig, env_name: str
     # a decaying learning rate ends at the last step: there the number of steps changes every step's rate
     execution = _EXECUTION_KEYS - ({"steps"} if cfg.lr_schedule != "constant" else set())
     digest.update(json.dumps(cfg.model_dump(exclude=execution), sort_keys=True).encode())
-    digest.update(f"{env_name}:{max_turns}".encode() + (f":{max_tokens}".encode() if max_tokens else b""))
+    digest.update(f"{env_name}:{json.dumps(asdict(limits), sort_keys=True)}".encode())
     if teacher:
         digest.update(f"teacher:{teacher}".encode())
     return digest.hexdigest()[:16]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from flywheel.agent import Harness
 from flywheel.config import RLConfig
-from flywheel.contract import Environment
 from flywheel.train.rl.actor import ActorPool, rollout
 from flywheel.train.rl.batch import Group
 from flywheel.train.rl.buffer import RolloutBuffer
@@ -58,12 +58,11 @@ class InProcess:
     version generates: a second copy of the model holds it.
     """
 
-    def __init__(self, env: Environment, model: torch.nn.Module, tokenizer, cfg: RLConfig, max_turns: int,
-                 snapshots: Snapshots, first: int, max_tokens: int | None = None):
+    def __init__(self, harness: Harness, model: torch.nn.Module, tokenizer, cfg: RLConfig, snapshots: Snapshots,
+                 first: int):
         from flywheel.policies.hf import HFPolicy
 
-        self.env, self.tokenizer, self.cfg, self.max_turns, self.snapshots = env, tokenizer, cfg, max_turns, snapshots
-        self.max_tokens = max_tokens
+        self.harness, self.tokenizer, self.cfg, self.snapshots = harness, tokenizer, cfg, snapshots
         self.policy = HFPolicy(copy.deepcopy(model) if cfg.max_staleness else model, tokenizer)
         self.version = first
 
@@ -74,7 +73,7 @@ class InProcess:
         if self.cfg.max_staleness and need != self.version:  # at 0 the live model generates
             self.policy.load_weights(self.snapshots.versions[need])
             self.version = need
-        groups = rollout(self.env, self.policy, self.tokenizer, item, self.cfg, self.max_turns, need, self.max_tokens)
+        groups = rollout(self.harness, self.policy, self.tokenizer, item, self.cfg, need)
         generate_s = time.perf_counter() - started
         for group in groups:  # the learner is its own actor: it generates, then waits while it learns
             group.actor, group.generate_s = -1, generate_s / len(groups)
@@ -94,19 +93,17 @@ class InProcess:
 class Actors:
     """`actors: N`: processes generate ahead of the learner, from the weights it publishes on a board."""
 
-    def __init__(self, model_dir: Path, env: Environment, model: torch.nn.Module, cfg: RLConfig, max_turns: int,
-                 snapshots: Snapshots, first: int, work: list[Work], device: str, final: bool = True,
-                 max_tokens: int | None = None):
+    def __init__(self, model_dir: Path, harness: Harness, model: torch.nn.Module, cfg: RLConfig,
+                 snapshots: Snapshots, first: int, work: list[Work], device: str, final: bool = True):
         ctx = torch.multiprocessing.get_context("spawn")  # fork with torch threads running is unsafe
-        self.cfg, self.env = cfg, env
+        self.cfg, self.env = cfg, harness.env
         self.board = WeightBoard(model.state_dict(), ctx, slots=cfg.max_staleness + 1)
         for held in sorted(snapshots.versions):
             self.board.publish(snapshots.versions[held], held)
         self.board.publish(model.state_dict(), first)
         # Room for every group the staleness bound lets the actors make ahead of the learner.
         size = (cfg.max_staleness + 1) * cfg.tasks_per_step * cfg.actors
-        self.pool = ActorPool(cfg.actors, Path(model_dir), env, cfg, max_turns, self.board, ctx, size, device,
-                              max_tokens)
+        self.pool = ActorPool(cfg.actors, Path(model_dir), harness, cfg, self.board, ctx, size, device)
         self.pool.start(work, final)
         self.buffer = RolloutBuffer(self.pool.buffer, cfg.max_staleness, self.pool.check)
 

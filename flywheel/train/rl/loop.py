@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flywheel.agent import Harness
 from flywheel.config import RLConfig
-from flywheel.contract import Environment, Task
+from flywheel.contract import Task
 from flywheel.metrics import RL_LAST_REWARD, RL_REWARD, RL_SKIPPED_SHARE, RL_UPDATES
 from flywheel.train.rl.batch import Group, advantages_of, collate, samples_of
 from flywheel.train.rl.checkpoints import Checkpoints, fingerprint
@@ -108,11 +109,10 @@ class _Timing:
         self.actor_idle_s += sum(g.idle_s for g in groups)
 
 
-def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig, out_dir: Path,
-             max_turns: int, on_step: Callable[[int, dict], None] | None = None,
+def train_rl(model_dir: Path, harness: Harness, tasks: list[Task], cfg: RLConfig, out_dir: Path,
+             on_step: Callable[[int, dict], None] | None = None,
              checkpoint_dir: Path | None = None, device: str = "auto",
-             monitor: Monitor | None = None, max_tokens: int | None = None,
-             teacher=None) -> tuple[list[dict], dict]:
+             monitor: Monitor | None = None, teacher=None) -> tuple[list[dict], dict]:
     """GRPO-family RL from the checkpoint in model_dir; saves to out_dir; returns (rollout rows, summary).
 
     Checkpoints go to checkpoint_dir (default: `rl-checkpoints` beside out_dir); a killed run resumes there.
@@ -120,9 +120,9 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     monitor: audits the live policy every cfg.monitor_every steps (flywheel/train/rl/monitor.py); its checks
     stay on it for the caller's report, and its numbers join the step metrics and the summary.
     cfg.keep_best: the output is the version that did best on a validation sample of `tasks`, which RL then
-    never draws (flywheel/train/rl/selection.py), not the last. max_turns, max_tokens: where an episode is cut
-    (environment.max_turns, max_episode_tokens). teacher: on-policy distillation's (cfg.objective opd or
-    reward+opd; default: load_teacher(cfg.opd), a relative checkpoint path read from the working directory).
+    never draws (flywheel/train/rl/selection.py), not the last. harness: the environment and the limits the
+    rollouts and the validation run under. teacher: on-policy distillation's (cfg.objective opd or reward+opd;
+    default: load_teacher(cfg.opd), a relative checkpoint path read from the working directory).
     """
     from flywheel.checkpoints import save_student
     from flywheel.devices import resolve_device
@@ -135,7 +135,7 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
     if cfg.objective != "reward" and teacher is None:
         teacher = load_teacher(cfg.opd)
     checkpoints = Checkpoints(checkpoint_dir or Path(out_dir).parent / "rl-checkpoints",
-                              fingerprint(Path(model_dir), tasks, cfg, env.name, max_turns, max_tokens,
+                              fingerprint(Path(model_dir), tasks, cfg, harness.env.name, harness.limits,
                                           teacher.identity() if teacher is not None else ""))
     run = _start(model_dir, cfg, checkpoints, learner_device)
     model, tokenizer, rows, history = run.model, run.tokenizer, run.rows, run.history
@@ -151,11 +151,11 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
         work = work_items(tasks, cfg.tasks_per_step, cfg.seed, run.first, cfg.steps)
     pending = {item.step: item for item in work}
     snapshots = Snapshots(cfg.max_staleness, model, run.first, run.behaviour)
-    source = (Actors(model_dir, env, model, cfg, max_turns, snapshots, run.first, work, device,
-                     final=len(work) == cfg.steps - run.first, max_tokens=max_tokens) if cfg.actors
-              else InProcess(env, model, tokenizer, cfg, max_turns, snapshots, run.first, max_tokens))
+    source = (Actors(model_dir, harness, model, cfg, snapshots, run.first, work, device,
+                     final=len(work) == cfg.steps - run.first) if cfg.actors
+              else InProcess(harness, model, tokenizer, cfg, snapshots, run.first))
     watch = _Watch(monitor, model, tokenizer, run.monitor)
-    selection = _Select(env, validation, cfg, max_turns, model, tokenizer, run)
+    selection = _Select(harness, validation, cfg, model, tokenizer, run)
     if run.first == 0:
         watch.check(0, history)
         selection.check(0)
@@ -206,14 +206,14 @@ def train_rl(model_dir: Path, env: Environment, tasks: list[Task], cfg: RLConfig
 class _Select:
     """rl.keep_best's validation, if on, run on the learner's live weights (greedy: no random numbers drawn)."""
 
-    def __init__(self, env: Environment, tasks: list[Task], cfg: RLConfig, max_turns: int, model: torch.nn.Module,
-                 tokenizer, run: _Start):
+    def __init__(self, harness: Harness, tasks: list[Task], cfg: RLConfig, model: torch.nn.Module, tokenizer,
+                 run: _Start):
         self.model = model
         self.selection = None
         if cfg.keep_best:
             from flywheel.policies.hf import HFPolicy
 
-            self.selection = Selection(env, tasks, cfg, max_turns, list(run.validation), run.best_state)
+            self.selection = Selection(harness, tasks, cfg, list(run.validation), run.best_state)
             self.policy = HFPolicy(model, tokenizer)
 
     @property

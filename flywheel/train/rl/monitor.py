@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flywheel.agent import Episode, run_episodes
+from flywheel.agent import Episode, Harness
 from flywheel.config import RLConfig
 from flywheel.contract import Environment, Task
 from flywheel.metrics import AUDIT_PASS, REWARD_AUDIT_GAP, REWARD_HACKING, RL_REWARD
@@ -49,10 +49,9 @@ def _slope(points: list[tuple[int, float]]) -> float:
 class Monitor:
     """Audits the live policy on a fixed held-out sample; keeps the checks and says whether the run is flagged."""
 
-    env: Environment
+    harness: Harness
     tasks: list[Task]
     cfg: RLConfig
-    max_turns: int
     checks: list[dict] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)  # the run's step metrics, as of the last check
 
@@ -64,9 +63,8 @@ class Monitor:
     def check(self, version: int, policy, history: list[dict]) -> dict:
         """Audit `policy` (version `version`); the metrics of this check, the flag included."""
         self.history = history
-        episodes = run_episodes(self.env, policy, self.tasks, samples=1, sampling=Sampling(temperature=0.0),
-                                max_turns=self.max_turns)
-        audit_pass = float(np.mean([audited(self.env, e) for e in episodes]))
+        episodes = self.harness.run(policy, self.tasks, samples=1, sampling=Sampling(temperature=0.0))
+        audit_pass = float(np.mean([audited(self.harness.env, e) for e in episodes]))
         reward = float(np.mean([e.reward for e in episodes]))
         # the training reward of the steps since the last check: a noisy per-step mean, smoothed over the window
         window = [m[RL_REWARD] for m in history[self.checks[-1]["version"] if self.checks else 0:version]]

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from flywheel.agent import run_episodes
+from flywheel.agent import Harness
 from flywheel.config import RLConfig
-from flywheel.contract import Environment, Task
+from flywheel.contract import Task
 from flywheel.policies.base import Sampling
 
 VALIDATION_PASS = "validation_pass"  # per check: share of the validation sample the rubric passes
@@ -41,10 +41,9 @@ def validation_split(tasks: list[Task], cfg: RLConfig) -> tuple[list[Task], list
 class Selection:
     """The validation checks so far and the best version's weights (on the CPU)."""
 
-    env: Environment
+    harness: Harness
     tasks: list[Task]
     cfg: RLConfig
-    max_turns: int
     checks: list[dict] = field(default_factory=list)
     best_state: dict[str, torch.Tensor] | None = None
 
@@ -60,8 +59,7 @@ class Selection:
 
     def check(self, version: int, policy, model: torch.nn.Module) -> dict:
         """Validate `policy` (version `version`, the learner's `model`); keep its weights if it is the best."""
-        episodes = run_episodes(self.env, policy, self.tasks, samples=1, sampling=Sampling(temperature=0.0),
-                                max_turns=self.max_turns)
+        episodes = self.harness.run(policy, self.tasks, samples=1, sampling=Sampling(temperature=0.0))
         check = {"version": version, VALIDATION_PASS: float(np.mean([bool(e.passed) for e in episodes])),
                  VALIDATION_REWARD: float(np.mean([e.reward for e in episodes]))}
         self.checks.append(check)
