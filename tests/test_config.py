@@ -133,3 +133,11 @@ def test_cli_check_names_a_missing_opd_teacher(tmp_path):
     assert result.exit_code == 2
     assert "pipelines.demo.rl.opd.teacher" in result.output and "models/teacher: no such checkpoint folder" \
         in result.output
+
+
+def test_a_bad_rl_opd_value_is_named_where_it_is_written(tmp_path):
+    """RLConfig keeps rl.opd inside the objective's variant; the error names it as pipelines.yaml has it."""
+    data = _demo()
+    data["pipelines"]["demo"]["rl"] |= {"objective": "reward+opd", "opd": {"teacher": "models/t", "kl_coef": 0}}
+    with pytest.raises(ConfigError, match=r"pipelines\.demo\.rl\.opd\.kl_coef: Input should be greater than 0"):
+        load_pipelines(_write(tmp_path, data))
