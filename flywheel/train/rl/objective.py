@@ -1,4 +1,5 @@
-"""What the learner learns from (rl.objective): one small class per objective, chosen once per run.
+"""What the learner learns from (rl.objective): one small class per objective, chosen from the config
+(objective_of), never by comparing its name.
 
     reward (grpo)  group advantages of the task reward; a group of equal rewards carries no signal: skipped
     opd            on-policy distillation: the teacher scores every token the student wrote; every group trains
@@ -79,8 +80,8 @@ class Distill:
 
     def metrics(self, stats: dict) -> dict:
         """The per-token KL to the teacher, and what the teacher could not score."""
-        metrics = {"teacher_kl": stats.get("teacher_kl", float("nan")),
-                   "teacher_logprob": stats.get("teacher_logprob", float("nan")),
+        metrics = {"teacher_kl": stats.get("teacher_kl", math.nan),
+                   "teacher_logprob": stats.get("teacher_logprob", math.nan),
                    **{key: stats.get(key, 0) for key in _TEACHER_COUNTS}}
         if "teacher_divergence" in stats:  # rl.opd.divergence reverse or forward: the exact KL, the loss's term
             metrics["teacher_divergence"] = stats["teacher_divergence"]
