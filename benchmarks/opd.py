@@ -33,7 +33,7 @@ from rl_gain import by_slice, scores  # benchmarks/ is the script's folder, firs
 from transformers.utils import logging as hf_logging
 
 from flywheel.agent import Harness, Limits
-from flywheel.config import OPDConfig, TinyModelConfig, load_pipeline
+from flywheel.config import OPDConfig, RLConfig, TinyModelConfig, load_pipeline
 from flywheel.envs import load_environment
 from flywheel.evaluate.stats import paired_bootstrap
 from flywheel.policies.base import Sampling
@@ -128,7 +128,8 @@ def one_seed(pipeline, opd_rl, env, train, heldout, corpus, seed: int, workdir: 
     for arm in [a for a in arms if a != "sft"]:
         cfg = (pipeline.rl if arm == "rl" else opd_rl).model_copy(update={"seed": seed, "checkpoint_every": 0})
         if arm == "opd":
-            cfg = cfg.model_copy(update={"opd": cfg.opd.model_copy(update={"teacher": str(teacher)})})
+            cfg = RLConfig.model_validate(cfg.model_dump()
+                                          | {"opd": cfg.objective.opd.model_copy(update={"teacher": str(teacher)})})
         # one folder per configuration: another OPD setting trains anew, the same one is reused
         out = workdir / f"{arm}-{hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:8]}"
         line[f"{arm}_compute"] = built(out, lambda f, cfg=cfg: improve(pipeline, env, train, heldout, sft_dir, f, cfg))
@@ -179,7 +180,7 @@ def main() -> None:
                                                "rl": pipeline.rl.model_copy(update=small)})
         opd |= small
         teacher_steps, n_train, n_heldout = 5, 32, 16
-    opd_rl = pipeline.rl.model_copy(update=opd)
+    opd_rl = RLConfig.model_validate(pipeline.rl.model_dump() | opd)  # validated: the objective holds rl.opd
     env = load_environment(pipeline.environment, ROOT)
     seed = pipeline.environment.seed
     train = list(islice(env.generate_tasks(seed), n_train))

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from flywheel.devices import DEVICE_PATTERN
 
@@ -456,14 +456,41 @@ class OPDConfig(EndpointConfig):
         return self
 
 
+class RewardObjective(Section):
+    """rl.objective reward (grpo): GRPO-family group advantages of the task reward; no teacher."""
+
+    kind: Literal["reward"] = "reward"
+    opd: None = None  # every objective has `opd`: the teacher's settings, or none
+
+
+class OPDObjective(Section):
+    """rl.objective opd: on-policy distillation alone; the teacher judges every token, the reward is unused."""
+
+    kind: Literal["opd"] = "opd"
+    opd: OPDConfig
+
+
+class RewardOPDObjective(Section):
+    """rl.objective reward+opd: the reward's group advantage (times opd.reward_coef) beside the teacher's."""
+
+    kind: Literal["reward+opd"] = "reward+opd"
+    opd: OPDConfig
+
+
+# What the learner's advantages come from; flywheel/train/rl/objective.py holds what each one does.
+Objective = Annotated[RewardObjective | OPDObjective | RewardOPDObjective, Field(discriminator="kind")]
+OBJECTIVES = ("reward", "opd", "reward+opd")
+
+
 class RLConfig(Section):
     steps: int = Field(10, ge=0)
     tasks_per_step: int = Field(16, ge=1)
     group_size: int = Field(4, ge=1)  # reward objectives need 2 or more: a group is scored against itself
-    # What the learner's advantages come from: the task reward (GRPO-family group advantages), the teacher's
-    # per-token judgement of the student's own samples (on-policy distillation, `opd`), or both.
-    objective: Literal["reward", "opd", "reward+opd"] = "reward"
-    opd: OPDConfig | None = None
+    # What the learner's advantages come from: the task reward (GRPO-family group advantages; `grpo` names it
+    # too), the teacher's per-token judgement of the student's own samples (on-policy distillation, `opd`), or
+    # both. Written `objective: opd` with the teacher's settings beside it (`opd: {teacher: ...}`); read as one
+    # variant that holds them (cfg.objective.opd), so an OPD objective without its teacher cannot be built.
+    objective: Objective = RewardObjective()
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(64, ge=1)  # per assistant turn
     lr: float = Field(3e-5, gt=0)  # 2e-4 and above break the tiny student's digit copying (measured)
@@ -522,13 +549,41 @@ class RLConfig(Section):
     # the SFT checkpoint) is a warning in the run's summary and an MLflow tag; true: the stage fails instead.
     fail_on_no_updates: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _objective_as_written(cls, data):
+        """`objective: <name>` with `opd: {...}` beside it, as pipelines.yaml says it, into one variant."""
+        if not isinstance(data, dict) or isinstance(data.get("objective"), dict | BaseModel):
+            return data  # a variant already (or not a mapping: the model's own error says so)
+        data = dict(data)
+        kind = data.pop("objective", "reward")
+        kind = "reward" if kind == "grpo" else kind  # the name the GRPO family goes by elsewhere (prime-rl)
+        opd = data.pop("opd", None)  # beside `reward` it was never read
+        if kind not in OBJECTIVES:
+            raise ValueError(f"objective {kind!r}: use reward (or grpo), opd or reward+opd")
+        if kind != "reward" and opd is None:
+            raise ValueError(f"objective '{kind}' needs rl.opd with a teacher: a checkpoint folder with "
+                             "the student's tokenizer, or a served model name and base_url")
+        return data | {"objective": {"kind": kind} | ({"opd": opd} if kind != "reward" else {})}
+
+    @model_serializer(mode="wrap")
+    def _written_back(self, handler) -> dict:
+        """Dumped as written (`objective: <name>`, then `opd`), so a dumped config loads back and its hash and
+        recorded copy read as before the objective became a variant."""
+        written = {}
+        for name, value in handler(self).items():
+            if name == "objective":
+                written["objective"] = value["kind"]
+                if "opd" in value:  # (not when exclude_none leaves it out)
+                    written["opd"] = value["opd"]
+            else:
+                written[name] = value
+        return written
+
     @model_validator(mode="after")
     def _actors_fit(self) -> RLConfig:
-        if self.objective != "reward" and self.opd is None:
-            raise ValueError(f"objective '{self.objective}' needs rl.opd with a teacher: a checkpoint folder with "
-                             "the student's tokenizer, or a served model name and base_url")
-        if self.objective != "opd" and self.group_size < 2:
-            raise ValueError(f"group_size {self.group_size}: objective '{self.objective}' scores each task's "
+        if self.objective.kind != "opd" and self.group_size < 2:
+            raise ValueError(f"group_size {self.group_size}: objective '{self.objective.kind}' scores each task's "
                              "samples against each other, so it needs 2 or more (only 'opd' can take 1)")
         if self.generation == "vllm" and self.actors == 0:
             raise ValueError("generation 'vllm' needs actors >= 1: the vLLM engine runs in an actor process, and "
@@ -693,7 +748,9 @@ class PipelinesFile(Section):
 
 
 def _where(loc: tuple) -> str:
-    return ".".join(str(part) for part in loc)
+    where = ".".join(str(part) for part in loc)
+    # rl.opd as pipelines.yaml writes it, not where RLConfig keeps it (in the objective's variant)
+    return re.sub(r"\brl\.objective\.(?:reward\+opd|opd)\.opd\b", "rl.opd", where)
 
 
 def load_pipelines(path: str | Path = "pipelines.yaml") -> dict[str, PipelineConfig]:

@@ -13,7 +13,7 @@ from flywheel.metrics import final_metrics
 from flywheel.stages import StageResult
 from flywheel.train.rl.loop import NO_UPDATES_FILE, no_update_warning, train_rl
 from flywheel.train.rl.monitor import MONITOR_FILE, Monitor, audit_sample
-from flywheel.train.rl.teacher import load_teacher
+from flywheel.train.rl.objective import objective_of
 from tasks.kernel import stage_context, stage_task
 from tasks.progress import progress
 from tasks.reports import publish_monitor_report
@@ -41,7 +41,7 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
             rows, summary = [], {"steps": 0}
         else:
             # on-policy distillation's teacher: a checkpoint folder under the project root, or a server
-            teacher = load_teacher(cfg.rl.opd, stage.root) if cfg.rl.objective != "reward" else None
+            teacher = objective_of(cfg.rl).load_teacher(stage.root)
             rows, summary = train_rl(catalog.model_dir("sft"), harness, tasks, cfg.rl, out_dir,
                                      device=cfg.student.device,
                                      on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"), monitor=monitor,

@@ -193,8 +193,8 @@ def env_deps(cfg: PipelineConfig, root: Path) -> list[str]:
 def teacher_deps(cfg: PipelineConfig) -> list[str]:
     """On-policy distillation's local teacher checkpoint (rl.opd.teacher without base_url): its weights are an
     input of the rl stage. A served teacher is its URL and model name, which the rl config section holds."""
-    opd = cfg.rl.opd
-    return [opd.teacher] if cfg.rl.objective != "reward" and opd is not None and not opd.base_url else []
+    opd = cfg.rl.objective.opd  # none unless the objective distils
+    return [opd.teacher] if opd is not None and not opd.base_url else []
 
 
 _GLOB = set("*?[")

@@ -164,3 +164,11 @@ def test_a_key_pasted_into_any_endpoint_section_is_named_but_never_echoed(tmp_pa
     message = str(err.value)
     assert f"pipelines.demo.{key}" in message and "never the key itself" in message
     assert PASTED not in message and "Pasted0Key" not in message
+
+
+def test_a_bad_rl_opd_value_is_named_where_it_is_written(tmp_path):
+    """RLConfig keeps rl.opd inside the objective's variant; the error names it as pipelines.yaml has it."""
+    data = _demo()
+    data["pipelines"]["demo"]["rl"] |= {"objective": "reward+opd", "opd": {"teacher": "models/t", "kl_coef": 0}}
+    with pytest.raises(ConfigError, match=r"pipelines\.demo\.rl\.opd\.kl_coef: Input should be greater than 0"):
+        load_pipelines(_write(tmp_path, data))

@@ -50,6 +50,13 @@ CFG = RLConfig(steps=3, tasks_per_step=3, group_size=2, minibatch_size=8, lr=1e-
                opd=OPDConfig(teacher="(given)", kl_coef=1.0))
 
 
+def changed(cfg: RLConfig, opd: dict | None = None, **rl) -> RLConfig:
+    """cfg with these rl keys and rl.opd fields changed, validated as pipelines.yaml is (the objective holds
+    rl.opd, so the two change together)."""
+    data = cfg.model_dump() | rl
+    return RLConfig.model_validate(data | {"opd": data["opd"] | (opd or {})})
+
+
 def test_opd_advantages_and_loss_by_hand():
     old = torch.tensor([[0.0, -1.0, -2.0, -0.5]])
     teacher = torch.tensor([[0.0, -0.5, -3.0, -9.0]])
@@ -136,9 +143,7 @@ def test_tool_results_and_prompts_carry_no_kl(tiny_student, teacher):
 @pytest.mark.parametrize("divergence", ["sampled", "forward"])
 def test_an_opd_run_logs_the_kl_and_resumes_to_the_same_weights(tiny_student, teacher, tasks, tmp_path,
                                                                 divergence):
-    cfg = CFG.model_copy(update={"steps": 4, "checkpoint_every": 1,
-                                 "opd": CFG.opd.model_copy(update={"teacher": str(teacher),
-                                                                   "divergence": divergence})})
+    cfg = changed(CFG, {"teacher": str(teacher), "divergence": divergence}, steps=4, checkpoint_every=1)
     seen = []
     rows, summary = train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg,
                              tmp_path / "whole", checkpoint_dir=tmp_path / "whole-ck",
@@ -167,7 +172,7 @@ def test_an_opd_run_logs_the_kl_and_resumes_to_the_same_weights(tiny_student, te
     assert all(torch.equal(a[k], b[k]) for k in a)
 
     # another teacher is another run: its checkpoints are not resumed from
-    other = cfg.model_copy(update={"opd": cfg.opd.model_copy(update={"kl_coef": 0.5})})
+    other = changed(cfg, {"kl_coef": 0.5})
     with pytest.raises(KeyboardInterrupt):
         train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, other, tmp_path / "cut2",
                  checkpoint_dir=tmp_path / "cut2-ck", on_step=stop)
@@ -177,8 +182,7 @@ def test_an_opd_run_logs_the_kl_and_resumes_to_the_same_weights(tiny_student, te
 
 
 def test_reward_plus_opd_trains_groups_of_equal_rewards(tiny_student, teacher, tasks, tmp_path):
-    cfg = CFG.model_copy(update={"steps": 2, "objective": "reward+opd",
-                                 "opd": CFG.opd.model_copy(update={"teacher": str(teacher)})})
+    cfg = changed(CFG, {"teacher": str(teacher)}, steps=2, objective="reward+opd")
     rows, summary = train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg, tmp_path / "rl")
     # the random student fails every task (equal rewards, no reward signal), yet every step learned
     assert {r["reward"] for r in rows} == {0.0}
@@ -189,7 +193,7 @@ def test_another_tokenizer_is_refused_naming_both(tiny_student, tmp_path, tasks)
     corpus = environment_corpus(CalculatorEnv(), n=300, seed=0)
     other = build_tiny_student(corpus, TinyModelConfig(hidden_size=32, layers=1, heads=2, vocab_size=350),
                                tmp_path / "other")
-    cfg = CFG.model_copy(update={"opd": CFG.opd.model_copy(update={"teacher": str(other)})})
+    cfg = changed(CFG, {"teacher": str(other)})
     with pytest.raises(OPDSetupError,
                        match=rf"{other}: its tokenizer \(350 tokens.*not the student's \({tiny_student}: 380 tokens"):
         train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg, tmp_path / "rl")
@@ -198,7 +202,7 @@ def test_another_tokenizer_is_refused_naming_both(tiny_student, tmp_path, tasks)
 
 def test_a_server_without_prompt_logprobs_is_refused_at_the_start(tiny_student, tasks, tmp_path):
     with OracleServer() as server:  # chat completions only, like a hosted API
-        cfg = CFG.model_copy(update={"opd": OPDConfig(teacher="oracle", base_url=server.url, max_retries=0)})
+        cfg = changed(CFG, {"teacher": "oracle", "base_url": server.url, "max_retries": 0})
         with pytest.raises(OPDSetupError, match=rf"teacher 'oracle' at {server.url}.*prompt_logprobs.*rl.opd"):
             train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg, tmp_path / "rl")
         assert not (tmp_path / "rl").exists()
@@ -206,7 +210,7 @@ def test_a_server_without_prompt_logprobs_is_refused_at_the_start(tiny_student, 
 
 def test_a_teacher_that_dies_mid_run_drops_that_steps_groups(tiny_student, teacher, tasks, tmp_path):
     with OracleServer(logprob_model=str(teacher)) as server:
-        cfg = CFG.model_copy(update={"opd": OPDConfig(teacher="t", base_url=server.url, max_retries=1)})
+        cfg = changed(CFG, {"teacher": "t", "base_url": server.url, "max_retries": 1})
 
         def die(step, metrics):  # step 0's sequences are answered, then the server drops every connection
             server.down_after = server.answers
@@ -219,8 +223,7 @@ def test_a_teacher_that_dies_mid_run_drops_that_steps_groups(tiny_student, teach
 
 def test_nan_logprobs_are_masked_and_counted_then_an_error(tiny_student, teacher, tasks, tmp_path):
     with OracleServer(logprob_model=str(teacher)) as server:
-        cfg = CFG.model_copy(update={"steps": 1, "opd": OPDConfig(teacher="t", base_url=server.url,
-                                                                  max_nonfinite_fraction=0.5)})
+        cfg = changed(CFG, {"teacher": "t", "base_url": server.url, "max_nonfinite_fraction": 0.5}, steps=1)
         server.inject("nan", "nan")  # the probe's (harmless there), then one sequence's: every log-prob null
         _, summary = train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg, tmp_path / "rl")
         assert 0 < summary["teacher_nonfinite_tokens"] < summary["teacher_tokens"] / 2
@@ -229,8 +232,8 @@ def test_nan_logprobs_are_masked_and_counted_then_an_error(tiny_student, teacher
         # every sequence of the step broken: far past the default 1%
         server.inject(*["nan"] * (1 + CFG.tasks_per_step * CFG.group_size))
         with pytest.raises(NonFiniteTeacher, match=r"NaN or infinite log-probabilities for \d+ of the \d+ .*0.01"):
-            train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks, cfg.model_copy(
-                update={"opd": cfg.opd.model_copy(update={"max_nonfinite_fraction": 0.01})}), tmp_path / "rl2")
+            train_rl(tiny_student, Harness(CalculatorEnv(), Limits(max_turns=2)), tasks,
+                     changed(cfg, {"max_nonfinite_fraction": 0.01}), tmp_path / "rl2")
 
 
 def test_exact_divergences_by_hand():
@@ -264,8 +267,7 @@ def test_the_exact_divergence_is_taken_at_the_students_tokens_only(tiny_student,
                          env.tools(), 256, 0, 0)
     batch = collate([s for g in groups for s in samples_of(g, [0.0] * len(g.rollouts))], tokenizer.pad_token_id)
     batch, _ = with_teacher(batch, LocalTeacher(teacher, "cpu"))
-    cfg = CFG.model_copy(update={"epochs_per_batch": 1, "minibatch_size": 64,
-                                 "opd": CFG.opd.model_copy(update={"divergence": kind})})
+    cfg = changed(CFG, {"divergence": kind}, epochs_per_batch=1, minibatch_size=64)
     student = load_student(tiny_student)[0]
     with torch.no_grad():
         logits = [load_student(path)[0](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -288,7 +290,7 @@ def test_a_teacher_that_is_the_student_gives_no_exact_divergence(tiny_student, t
     batch = _batch(tiny_student, tasks)
     itself = LocalTeacher(tiny_student, "cpu")
     batch, _ = with_teacher(batch, itself)
-    cfg = CFG.model_copy(update={"opd": CFG.opd.model_copy(update={"divergence": "reverse"})})
+    cfg = changed(CFG, {"divergence": "reverse"})
     model = load_student(tiny_student)[0]
     stats = learn_on_batch(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, cfg,
                            torch.Generator().manual_seed(0), teacher=itself)
@@ -314,7 +316,7 @@ def test_a_nan_teacher_row_leaves_the_exact_divergence_finite(tiny_student, teac
     broken = Broken(teacher, "cpu")
     batch, counts = with_teacher(_batch(tiny_student, tasks), broken)
     assert counts["teacher_nonfinite_tokens"] > 0
-    cfg = CFG.model_copy(update={"opd": CFG.opd.model_copy(update={"divergence": "forward"})})
+    cfg = changed(CFG, {"divergence": "forward"})
     model = load_student(tiny_student)[0]
     stats = learn_on_batch(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, cfg,
                            torch.Generator().manual_seed(0), teacher=broken)
@@ -327,7 +329,7 @@ def test_opd_config_errors():
         RLConfig(objective="opd")
     with pytest.raises(ValidationError, match="group_size 1: objective 'reward'"):
         RLConfig(group_size=1)
-    assert RLConfig(group_size=1, objective="opd", opd={"teacher": "models/t"}).opd.kl_coef == 1.0
+    assert RLConfig(group_size=1, objective="opd", opd={"teacher": "models/t"}).objective.opd.kl_coef == 1.0
     # the whole distribution comes only from a local checkpoint
     with pytest.raises(ValidationError, match="divergence 'forward' takes the teacher's whole distribution"):
         OPDConfig(teacher="Qwen/Qwen3-8B", base_url="http://localhost:8000/v1", divergence="forward")

@@ -88,8 +88,8 @@ def _teachers(root: Path, pipelines: dict) -> None:
     from flywheel.checkpoints import CheckpointError, load_student
 
     for name, cfg in pipelines.items():
-        opd = cfg.rl.opd
-        if cfg.rl.objective == "reward" or opd is None or opd.base_url:
+        opd = cfg.rl.objective.opd  # none unless the objective distils
+        if opd is None or opd.base_url:
             continue
         folder = Path(opd.teacher) if Path(opd.teacher).is_absolute() else root / opd.teacher
         try:

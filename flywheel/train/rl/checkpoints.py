@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from flywheel.agent import Limits
-from flywheel.checkpoints import save_student
+from flywheel.checkpoints import load_student, save_student
 from flywheel.config import RLConfig
 from flywheel.contract import Task
 
@@ -49,19 +49,24 @@ def fingerprint(model_dir: Path, tasks: list[Task], cfg: RLConfig, env_name: str
 
 
 @dataclass
-class Resumed:
-    """What a run resumes from: the step to do next, its weights folder and the learner state."""
+class LearnerState:
+    """All a run resumes from, in one record: Checkpoints.save writes it whole and Checkpoints.load returns it.
 
-    step: int
-    model_dir: Path
-    optimizer: dict
-    shuffle: torch.Tensor
-    rows: list[dict]
-    history: list[dict]
-    behaviour: dict[int, dict[str, torch.Tensor]]  # older versions later steps are generated with, by version
-    monitor: list[dict]  # the reward-hacking monitor's checks so far (its baseline is the first)
-    validation: list[dict]  # rl.keep_best's validation checks so far
-    best_state: dict[str, torch.Tensor] | None  # and the best version's weights, when it is not this one
+    The live model, optimizer and minibatch generator, and what the run has produced so far. The task stream
+    and sampling seeds follow from `step` (flywheel.train.rl.source), so they need no field."""
+
+    step: int  # the step to do next (the steps done): the weights are version `step`
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    shuffle: torch.Generator  # the learner's minibatch order
+    rows: list[dict] = field(default_factory=list)  # the rollouts so far
+    history: list[dict] = field(default_factory=list)  # each step's metrics
+    # the older versions later steps are generated with, by version
+    behaviour: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    monitor: list[dict] = field(default_factory=list)  # the reward-hacking monitor's checks (its baseline first)
+    validation: list[dict] = field(default_factory=list)  # rl.keep_best's validation checks
+    best_state: dict[str, torch.Tensor] | None = None  # and the best version's weights, when it is not this one
 
 
 class Checkpoints:
@@ -76,33 +81,43 @@ class Checkpoints:
         self.folder.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps({"fingerprint": fingerprint}))
 
-    def latest(self) -> Resumed | None:
-        """The newest complete checkpoint, if any."""
+    def _newest(self) -> Path | None:
+        """The newest complete checkpoint's folder, if any."""
         done = sorted((p for p in self.folder.glob("step-*") if (p / "state.pt").exists()),
                       key=lambda p: int(p.name.split("-")[1]))
-        if not done:
-            return None
-        path = done[-1]
-        state = torch.load(path / "state.pt", weights_only=True)
-        extra = json.loads((path / "progress.json").read_text())
-        return Resumed(int(path.name.split("-")[1]), path / "model", state["optimizer"], state["shuffle"],
-                       extra["rows"], extra["history"], state["behaviour"], extra.get("monitor", []),
-                       extra.get("validation", []), state.get("best"))
+        return done[-1] if done else None
 
-    def save(self, step: int, model, tokenizer, optimizer, shuffle: torch.Generator, rows: list[dict],
-             history: list[dict], behaviour: dict[int, dict[str, torch.Tensor]],
-             monitor: list[dict] | None = None, validation: list[dict] | None = None,
-             best_state: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write the state after `step` steps: a temporary folder renamed into place, so a kill leaves none half."""
-        final = self.folder / f"step-{step}"
-        partial = self.folder / f".step-{step}.partial"
+    def load(self, model_dir: Path, cfg: RLConfig, device: str) -> LearnerState:
+        """The state to continue from: the newest checkpoint's, whole, or without one step 0's from model_dir
+        (the optimizer and the minibatch order seeded from cfg either way, then given the checkpoint's state)."""
+        path = self._newest()
+        torch.manual_seed(cfg.seed)
+        model, tokenizer = load_student(path / "model" if path else model_dir)
+        model.to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        shuffle = torch.Generator().manual_seed(cfg.seed)
+        if path is None:
+            return LearnerState(0, model, tokenizer, optimizer, shuffle)
+        tensors = torch.load(path / "state.pt", weights_only=True)
+        progress = json.loads((path / "progress.json").read_text())
+        optimizer.load_state_dict(tensors["optimizer"])
+        shuffle.set_state(tensors["shuffle"])
+        return LearnerState(int(path.name.split("-")[1]), model, tokenizer, optimizer, shuffle, progress["rows"],
+                            progress["history"], tensors["behaviour"], progress.get("monitor", []),
+                            progress.get("validation", []), tensors.get("best"))
+
+    def save(self, state: LearnerState) -> Path:
+        """Write the state after `state.step` steps: a temporary folder renamed into place, so a kill leaves none
+        half. The weights as a checkpoint folder, the JSON-able progress as progress.json, tensors as state.pt."""
+        final = self.folder / f"step-{state.step}"
+        partial = self.folder / f".step-{state.step}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        save_student(model, tokenizer, partial / "model")
-        (partial / "progress.json").write_text(json.dumps({"rows": rows, "history": history,
-                                                              "monitor": monitor or [],
-                                                              "validation": validation or []}))
-        torch.save({"optimizer": optimizer.state_dict(), "shuffle": shuffle.get_state(), "behaviour": behaviour,
-                    "best": best_state}, partial / "state.pt")
+        save_student(state.model, state.tokenizer, partial / "model")
+        (partial / "progress.json").write_text(json.dumps({"rows": state.rows, "history": state.history,
+                                                              "monitor": state.monitor,
+                                                              "validation": state.validation}))
+        torch.save({"optimizer": state.optimizer.state_dict(), "shuffle": state.shuffle.get_state(),
+                    "behaviour": state.behaviour, "best": state.best_state}, partial / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         for old in self.folder.glob("step-*"):

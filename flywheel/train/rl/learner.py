@@ -8,6 +8,7 @@ import torch
 
 from flywheel.config import RLConfig
 from flywheel.train.rl.loss import aggregate, k3_kl, policy_loss, token_distributions, token_logprobs
+from flywheel.train.rl.objective import objective_of
 from flywheel.train.rl.opd import distill_advantages, exact_divergence
 
 _MAXIMA = ("ratio_max", "is_weight_max", "grad_norm_max")
@@ -55,13 +56,15 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     advantages = batch["advantages"]
     exact = None  # an exact divergence to the teacher, a loss term of its own
     if "teacher_logprobs" in batch:  # on-policy distillation: per-token advantages against these old log-probs
-        reward_coef = cfg.opd.reward_coef if cfg.objective == "reward+opd" else 0.0
-        exact = cfg.opd.divergence if cfg.opd.divergence != "sampled" else None
+        objective = objective_of(cfg)
+        opd = objective.opd
+        exact = opd.divergence if opd.divergence != "sampled" else None
         if exact and not hasattr(teacher, "distributions"):
             raise ValueError(f"rl.opd.divergence '{exact}' needs the teacher's whole distributions: a local "
                              f"checkpoint, not {getattr(teacher, 'name', teacher)}")
         advantages, extra = distill_advantages(old, batch["teacher_logprobs"], batch["loss_mask"],
-                                               batch["advantages"], 0.0 if exact else cfg.opd.kl_coef, reward_coef)
+                                               batch["advantages"], 0.0 if exact else opd.kl_coef,
+                                               objective.reward_coef)
     if "behaviour_logprobs" in batch:
         # How far the learner's policy has moved from the one that sampled: the cost of staleness.
         mask = batch["loss_mask"]
@@ -91,7 +94,7 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
                 per_token = torch.zeros(ids.shape, dtype=divergence.dtype,
                                         device=divergence.device).masked_scatter(wanted, divergence)
                 term = aggregate(per_token, batch["loss_mask"][idx], cfg.loss_type, cfg.max_length)
-                loss = loss + cfg.opd.kl_coef * term
+                loss = loss + opd.kl_coef * term
                 stats["teacher_divergence"] = term.item()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,15 +25,16 @@ from flywheel.agent import Harness
 from flywheel.config import RLConfig
 from flywheel.contract import Task
 from flywheel.metrics import RL_LAST_REWARD, RL_REWARD, RL_SKIPPED_SHARE, RL_UPDATES
-from flywheel.train.rl.batch import Group, advantages_of, collate, samples_of
-from flywheel.train.rl.checkpoints import Checkpoints, fingerprint
+from flywheel.train.rl.batch import Group, collate, samples_of
+from flywheel.train.rl.checkpoints import Checkpoints, LearnerState, fingerprint
 from flywheel.train.rl.generation import Actors, InProcess, Snapshots
 from flywheel.train.rl.learner import learn_on_batch, learning_rate
 from flywheel.train.rl.monitor import Monitor
+from flywheel.train.rl.objective import Distill, Reward, objective_of
 from flywheel.train.rl.opd import NonFiniteBudget, with_teacher
 from flywheel.train.rl.selection import Selection, validation_split
 from flywheel.train.rl.source import Work, filtered_work, task_stream, work_items
-from flywheel.train.rl.teacher import TeacherUnavailable, load_teacher
+from flywheel.train.rl.teacher import TeacherUnavailable
 
 __all__ = ["NO_UPDATES_FILE", "no_update_warning", "task_stream", "train_rl"]
 
@@ -51,43 +52,6 @@ def _rows(step: int, version: int, groups: list[Group], advantages: dict[int, li
                          "advantage": None if adv is None else float(adv[i]), "tokens": r.tokens,
                          "passed": r.passed, "dropped": group.index in dropped, "split": r.split})
     return rows
-
-
-@dataclass
-class _Start:
-    """What the run starts from: the base checkpoint at step 0, or the last checkpoint of a killed run."""
-
-    first: int  # the step to do next
-    model: torch.nn.Module
-    tokenizer: object
-    reference: torch.nn.Module | None  # the starting checkpoint, for the KL penalty (kl_beta > 0)
-    optimizer: torch.optim.Optimizer
-    shuffle: torch.Generator  # the learner's minibatch order
-    rows: list[dict] = field(default_factory=list)
-    history: list[dict] = field(default_factory=list)
-    behaviour: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # versions kept for generation
-    monitor: list[dict] = field(default_factory=list)  # the reward-hacking monitor's checks so far
-    validation: list[dict] = field(default_factory=list)  # rl.keep_best's checks so far
-    best_state: dict[str, torch.Tensor] | None = None  # and the best version's weights
-
-
-def _start(model_dir: Path, cfg: RLConfig, checkpoints: Checkpoints, device: str) -> _Start:
-    """The learner's state: fresh from model_dir, or resumed from the newest checkpoint when there is one."""
-    from flywheel.checkpoints import load_student
-
-    resumed = checkpoints.latest()
-    torch.manual_seed(cfg.seed)
-    model, tokenizer = load_student(resumed.model_dir if resumed else model_dir)
-    model.to(device)
-    reference = load_student(model_dir)[0].to(device) if cfg.kl_beta > 0 else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    shuffle = torch.Generator().manual_seed(cfg.seed)
-    if not resumed:
-        return _Start(0, model, tokenizer, reference, optimizer, shuffle)
-    optimizer.load_state_dict(resumed.optimizer)
-    shuffle.set_state(resumed.shuffle)
-    return _Start(resumed.step, model, tokenizer, reference, optimizer, shuffle, resumed.rows, resumed.history,
-                  resumed.behaviour, resumed.monitor, resumed.validation, resumed.best_state)
 
 
 @dataclass
@@ -121,10 +85,10 @@ def train_rl(model_dir: Path, harness: Harness, tasks: list[Task], cfg: RLConfig
     stay on it for the caller's report, and its numbers join the step metrics and the summary.
     cfg.keep_best: the output is the version that did best on a validation sample of `tasks`, which RL then
     never draws (flywheel/train/rl/selection.py), not the last. harness: the environment and the limits the
-    rollouts and the validation run under. teacher: on-policy distillation's (cfg.objective opd or reward+opd;
-    default: load_teacher(cfg.opd), a relative checkpoint path read from the working directory).
+    rollouts and the validation run under. teacher: on-policy distillation's (rl.objective opd or reward+opd;
+    default: the one rl.opd names, a relative checkpoint path read from the working directory).
     """
-    from flywheel.checkpoints import save_student
+    from flywheel.checkpoints import load_student, save_student
     from flywheel.devices import resolve_device
 
     learner_device = resolve_device(device, "student.device (the RL learner)")
@@ -132,45 +96,49 @@ def train_rl(model_dir: Path, harness: Harness, tasks: list[Task], cfg: RLConfig
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.learner_threads)
     validation, tasks = validation_split(tasks, cfg)
-    if cfg.objective != "reward" and teacher is None:
-        teacher = load_teacher(cfg.opd)
+    objective = objective_of(cfg)
+    if teacher is None:
+        teacher = objective.load_teacher()
     checkpoints = Checkpoints(checkpoint_dir or Path(out_dir).parent / "rl-checkpoints",
                               fingerprint(Path(model_dir), tasks, cfg, harness.env.name, harness.limits,
                                           teacher.identity() if teacher is not None else ""))
-    run = _start(model_dir, cfg, checkpoints, learner_device)
+    run = checkpoints.load(model_dir, cfg, learner_device)
+    first = run.step  # 0, or where a killed run stopped
+    # the starting checkpoint, for the KL penalty (kl_beta > 0): no resumable state
+    reference = load_student(model_dir)[0].to(learner_device) if cfg.kl_beta > 0 else None
     model, tokenizer, rows, history = run.model, run.tokenizer, run.rows, run.history
     distill = None
     if teacher is not None:
         teacher.check(tokenizer, str(model_dir))  # before any rollout: another tokenizer, no log-probabilities
-        distill = _Distill(teacher, NonFiniteBudget.of(cfg, teacher.name, history))
+        distill = _Distill(teacher, NonFiniteBudget.of(objective.opd, teacher.name, history))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if cfg.difficulty_filter:  # the steps whose draw depends only on outcomes learned before this run's first
-        ahead = range(run.first, min(run.first + cfg.max_staleness + 1, cfg.steps))
+        ahead = range(first, min(first + cfg.max_staleness + 1, cfg.steps))
         work = [filtered_work(tasks, cfg, s, rows) for s in ahead]
     else:
-        work = work_items(tasks, cfg.tasks_per_step, cfg.seed, run.first, cfg.steps)
+        work = work_items(tasks, cfg.tasks_per_step, cfg.seed, first, cfg.steps)
     pending = {item.step: item for item in work}
-    snapshots = Snapshots(cfg.max_staleness, model, run.first, run.behaviour)
-    source = (Actors(model_dir, harness, model, cfg, snapshots, run.first, work, device,
-                     final=len(work) == cfg.steps - run.first) if cfg.actors
-              else InProcess(harness, model, tokenizer, cfg, snapshots, run.first))
+    snapshots = Snapshots(cfg.max_staleness, model, first, run.behaviour)
+    source = (Actors(model_dir, harness, model, cfg, snapshots, first, work, device,
+                     final=len(work) == cfg.steps - first) if cfg.actors
+              else InProcess(harness, model, tokenizer, cfg, snapshots, first))
     watch = _Watch(monitor, model, tokenizer, run.monitor)
     selection = _Select(harness, validation, cfg, model, tokenizer, run)
-    if run.first == 0:
+    if first == 0:
         watch.check(0, history)
         selection.check(0)
 
     timing.steps_started = time.perf_counter()
     learn_s = 0.0
     try:
-        for step in range(run.first, cfg.steps):
+        for step in range(first, cfg.steps):
             version = step  # the learner's weights at this step are version `step`
             item: Work = pending.pop(step)
             groups, stale, wait_s = source.take(item, learn_s)
             learning = time.perf_counter()
             for group in run.optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, step)
-            advantages, stats, failed = _learn(model, run, groups, cfg, pad_id, distill, step)
+            advantages, stats, failed = _learn(run, reference, groups, objective, cfg, pad_id, distill, step)
             snapshots.add(model, version + 1)
             source.publish(model, version + 1)
             everything = sorted(groups + stale, key=lambda g: g.index)
@@ -180,14 +148,15 @@ def train_rl(model_dir: Path, harness: Harness, tasks: list[Task], cfg: RLConfig
                 pending[following] = filtered_work(tasks, cfg, following, rows)
                 source.dispatch(pending[following], final=following == cfg.steps - 1)
             learn_s = time.perf_counter() - learning
-            metrics = _metrics(groups, stale, stats, cfg, wait_s, learn_s, version + 1)
+            metrics = _metrics(groups, stale, stats, objective, cfg, wait_s, learn_s, version + 1)
             metrics["lr"] = learning_rate(cfg, step)
             history.append(metrics)
             metrics |= watch.check(version + 1, history)
             metrics |= selection.check(version + 1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                checkpoints.save(step + 1, model, tokenizer, run.optimizer, run.shuffle, rows, history,
-                                 snapshots.up_to(step), watch.checks, *selection.kept)
+                validated, best_state = selection.kept
+                checkpoints.save(replace(run, step=step + 1, behaviour=snapshots.up_to(step), monitor=watch.checks,
+                                         validation=validated, best_state=best_state))
             timing.add(groups + stale, wait_s, learn_s)
             if on_step:
                 on_step(step, metrics)
@@ -200,14 +169,15 @@ def train_rl(model_dir: Path, harness: Harness, tasks: list[Task], cfg: RLConfig
     selection.restore()
     save_student(model, tokenizer, out_dir)
     checkpoints.remove()
-    return rows, _summary(cfg, rows, history, timing, run.first) | watch.summary(history) | selection.summary()
+    return rows, (_summary(cfg, objective, rows, history, timing, first) | watch.summary(history)
+                  | selection.summary())
 
 
 class _Select:
     """rl.keep_best's validation, if on, run on the learner's live weights (greedy: no random numbers drawn)."""
 
     def __init__(self, harness: Harness, tasks: list[Task], cfg: RLConfig, model: torch.nn.Module, tokenizer,
-                 run: _Start):
+                 run: LearnerState):
         self.model = model
         self.selection = None
         if cfg.keep_best:
@@ -273,16 +243,16 @@ class _Distill:
     budget: NonFiniteBudget
 
 
-def _learn(model: torch.nn.Module, run: _Start, groups: list[Group], cfg: RLConfig, pad_id: int,
-           distill: _Distill | None, step: int) -> tuple[dict[int, list[float] | None], dict, list[Group]]:
+def _learn(run: LearnerState, reference: torch.nn.Module | None, groups: list[Group], objective: Reward | Distill,
+           cfg: RLConfig, pad_id: int, distill: _Distill | None,
+           step: int) -> tuple[dict[int, list[float] | None], dict, list[Group]]:
     """One learner step on the groups: (reward advantages by group, None for a group without that signal; loss
     stats; the groups dropped because the teacher failed on them).
 
     Under on-policy distillation every group trains (each token has the teacher's signal), with its reward
     advantages under `reward+opd` (zeros where the rewards were equal) and none under `opd`."""
-    rewarded = cfg.objective != "opd"
-    advantages = {g.index: advantages_of(g, cfg.loss_type) if rewarded else None for g in groups}
-    if distill is None:
+    advantages = {g.index: objective.advantages(g, cfg.loss_type) for g in groups}
+    if objective.skips_equal_groups:
         samples = [s for g in groups if advantages[g.index] is not None for s in samples_of(g, advantages[g.index])]
     else:
         samples = [s for g in groups for s in samples_of(g, advantages[g.index] or [0.0] * len(g.rollouts))]
@@ -297,13 +267,13 @@ def _learn(model: torch.nn.Module, run: _Start, groups: list[Group], cfg: RLConf
                   "dropped, not trained on", flush=True)
             return advantages, {"teacher_failed_groups": len(groups)}, groups
         distill.budget.add(counts["teacher_tokens"], counts["teacher_nonfinite_tokens"], step)
-    stats = learn_on_batch(model, run.optimizer, batch, cfg, run.shuffle, run.reference,
+    stats = learn_on_batch(run.model, run.optimizer, batch, cfg, run.shuffle, reference,
                            distill.teacher if distill is not None else None)
     return advantages, stats | counts | {"trained_tokens": int(batch["loss_mask"].sum())}, []
 
 
-def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig, wait_s: float,
-             learn_s: float, version: int) -> dict:
+def _metrics(groups: list[Group], stale: list[Group], stats: dict, objective: Reward | Distill, cfg: RLConfig,
+             wait_s: float, learn_s: float, version: int) -> dict:
     rollouts = [r for g in groups for r in g.rollouts]
     rewards = np.array([r.reward for r in rollouts] or [0.0], dtype=np.float64)
     staleness = [version - 1 - g.behaviour_version for g in groups]
@@ -311,7 +281,7 @@ def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig
     idle_s = sum(g.idle_s for g in groups + stale)
     step_s = wait_s + learn_s
     # groups whose rewards were all equal carry no reward signal (on-policy distillation trains them all)
-    skipped = sum(len({r.reward for r in g.rollouts}) == 1 for g in groups) if cfg.objective == "reward" else 0
+    skipped = sum(len({r.reward for r in g.rollouts}) == 1 for g in groups) if objective.skips_equal_groups else 0
     metrics = {RL_REWARD: float(rewards.mean()), "reward_std": float(rewards.std()),
                "pass_rate": float(np.mean([r.passed for r in rollouts])) if rollouts else 0.0,
                "groups": len(groups), "dropped_groups": len(stale),
@@ -334,17 +304,11 @@ def _metrics(groups: list[Group], stale: list[Group], stats: dict, cfg: RLConfig
     if "kl" in stats:
         metrics["kl"] = stats["kl"]
     metrics["trained_tokens"] = stats.get("trained_tokens", 0)
-    if cfg.objective != "reward":  # per-token reverse KL to the teacher, and what the teacher could not score
-        metrics |= {"teacher_kl": stats.get("teacher_kl", float("nan")),
-                    "teacher_logprob": stats.get("teacher_logprob", float("nan")),
-                    **{key: stats.get(key, 0) for key in ("teacher_tokens", "teacher_nonfinite_tokens",
-                                                          "teacher_failed_groups")}}
-        if "teacher_divergence" in stats:  # rl.opd.divergence reverse or forward: the exact KL, the loss's term
-            metrics["teacher_divergence"] = stats["teacher_divergence"]
-    return metrics
+    return metrics | objective.metrics(stats)
 
 
-def _summary(cfg: RLConfig, rows: list[dict], history: list[dict], timing: _Timing, first: int) -> dict:
+def _summary(cfg: RLConfig, objective: Reward | Distill, rows: list[dict], history: list[dict], timing: _Timing,
+             first: int) -> dict:
     now = time.perf_counter()
     summary = {"steps": cfg.steps, "policy_version": cfg.steps, "episodes": len(rows),
                "resumed_from_step": first, "wall_time_s": now - timing.started,
@@ -362,16 +326,7 @@ def _summary(cfg: RLConfig, rows: list[dict], history: list[dict], timing: _Timi
                     "dropped_groups": int(sum(m["dropped_groups"] for m in history)),
                     "split_rollouts": int(sum(m["split_rollouts"] for m in history)),
                     "trained_tokens": int(sum(m.get("trained_tokens", 0) for m in history)),
-                    "generated_tokens": sum(r["tokens"] for r in rows)}
-        if cfg.objective != "reward":
-            kl = [m["teacher_kl"] for m in history if m.get("teacher_tokens")]
-            exact = [m["teacher_divergence"] for m in history if "teacher_divergence" in m]
-            if exact:
-                summary |= {"teacher_divergence_first": exact[0], "teacher_divergence_last": exact[-1]}
-            summary |= {"teacher_kl_first": kl[0] if kl else float("nan"),
-                        "teacher_kl_last": kl[-1] if kl else float("nan"),
-                        **{key: int(sum(m.get(key, 0) for m in history))
-                           for key in ("teacher_tokens", "teacher_nonfinite_tokens", "teacher_failed_groups")}}
+                    "generated_tokens": sum(r["tokens"] for r in rows)} | objective.summary(history)
     return summary
 
 

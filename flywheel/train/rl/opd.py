@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flywheel.config import RLConfig
+from flywheel.config import OPDConfig
 
 
 class NonFiniteTeacher(RuntimeError):
@@ -87,9 +87,9 @@ class NonFiniteBudget:
     nonfinite: int = 0
 
     @classmethod
-    def of(cls, cfg: RLConfig, name: str, history: list[dict]) -> NonFiniteBudget:
+    def of(cls, opd: OPDConfig, name: str, history: list[dict]) -> NonFiniteBudget:
         """The budget so far (a resumed run's steps count)."""
-        budget = cls(cfg.opd.max_nonfinite_fraction, name)
+        budget = cls(opd.max_nonfinite_fraction, name)
         for metrics in history:
             budget.tokens += int(metrics.get("teacher_tokens", 0))
             budget.nonfinite += int(metrics.get("teacher_nonfinite_tokens", 0))
