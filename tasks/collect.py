@@ -20,6 +20,7 @@ from flywheel.data.trace_rows import collect as collect_traces
 from flywheel.data.trace_rows import gc_paused, system_allocator, table_rows
 from flywheel.envs import environment_sources
 from flywheel.stages import StageResult
+from flywheel.tags import COLLECT_MODE_TAG, out_tag
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
 
@@ -112,8 +113,7 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
             metrics |= {f"source/{label}/records": found.records[label], f"source/{label}/traces": tables.new[label],
                         f"source/{label}/quarantined": found.bad[label]}
         stage.run.metrics(metrics)
-        stage.run.tags({"flywheel.out.collect": digest,
-                        "flywheel.collect.mode": "full" if since is None else "incremental"})
+        stage.run.tags({out_tag("collect"): digest, COLLECT_MODE_TAG: "full" if since is None else "incremental"})
         return stage.done(metrics)
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from flywheel.tags import dvc_tag
+
 LOCK_FILE = "dvc.lock"  # in the project root: every stage's deps, params and outs with their md5, as DVC keeps them
 # DVC holds one lock per repo and a second process fails after ~3 s: serialise our own calls, retry theirs.
 _LOCK = threading.Lock()
@@ -131,4 +133,4 @@ def lineage_tags(root: Path, pipeline: str, stages: list[str] | tuple[str, ...])
     hashes = {}
     for name in stages:
         hashes |= lock_hashes(root, name, pipeline)
-    return {f"flywheel.dvc.{path}": md5 for path, md5 in sorted(hashes.items()) if md5}
+    return {dvc_tag(path): md5 for path, md5 in sorted(hashes.items()) if md5}
