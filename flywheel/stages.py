@@ -53,8 +53,8 @@ def _from_dict(cls, data: Mapping, what: str, remedy: str):
 class GateReport:
     """What the evaluate stage decided and measured: gate.json, the evaluate StageResult, what register tags.
 
-    The values are JSON's (as the eval tables' records and the gate's numbers serialise), so that to_dict
-    written by Catalog.write_json gives gate.json byte for byte as the stage has always written it.
+    Its values are plain data kept as the stage computed them (records and numbers as pandas and the gate
+    serialise them), so that to_dict through Catalog.write_json gives gate.json byte for byte as before.
     """
 
     passed: bool
