@@ -16,6 +16,7 @@ from flywheel import registry, reproduce
 from flywheel.config import load_pipeline
 from flywheel.data.catalog import Catalog
 from flywheel.stages import ORDER
+from flywheel.tags import RERUN_DATASETS_TAG, RERUN_OF_TAG, RERUN_SCORES_TAG, gate_verdict
 
 RESTORABLE = list(ORDER[:2])  # collect reads trace sources, synthesize a teacher: both may answer differently today
 
@@ -42,20 +43,19 @@ def rerun(run_id: str, root: str = ".", promote: bool = False, push: bool = True
         warnings.append("the recorded eval table is not in DVC: scores are compared with the recorded numbers")
 
     summary = retrain(pipeline=recorded.pipeline, root=str(ws.path), push=push, restored=restore,
-                      tags={"flywheel.rerun_of": run_id}, promote=promote)
+                      tags={RERUN_OF_TAG: run_id}, promote=promote)
 
     gate = load_pipeline(recorded.pipeline, ws.path / "pipelines.yaml").gate
     report = reproduce.RerunReport(
-        run_id=run_id, rerun_id=summary["run_id"], pipeline=recorded.pipeline, workspace=ws.path,
+        run_id=run_id, rerun_id=summary.run_id, pipeline=recorded.pipeline, workspace=ws.path,
         outputs=reproduce.compare_outputs(recorded, ws.path, ws.cache, ORDER, restore),
         scores=reproduce.compare_scores(recorded, reproduce.recorded_eval(recorded, ws.cache),
                                         Catalog(ws.path, recorded.pipeline).read("eval"), gate.confidence,
                                         gate.bootstrap_samples, gate.seed),
         code_changes=reproduce.code_changes(recorded, ws.path), warnings=warnings, gate_recorded=recorded.gate,
-        gate_reproduced="passed" if summary["gate_passed"] else "failed", version=summary["version"],
-        champion=summary["champion"])
+        gate_reproduced=gate_verdict(summary.gate_passed), version=summary.version, champion=summary.champion)
     run = registry.Run(report.rerun_id)
-    run.tags({"flywheel.rerun.datasets": "identical" if report.datasets_identical else "differ",
-              "flywheel.rerun.scores": "within_noise" if report.scores_within_noise else "outside_noise"})
+    run.tags({RERUN_DATASETS_TAG: "identical" if report.datasets_identical else "differ",
+              RERUN_SCORES_TAG: "within_noise" if report.scores_within_noise else "outside_noise"})
     run.text(report.to_json(), "flywheel/rerun.json")
     return report

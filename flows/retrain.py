@@ -13,7 +13,17 @@ from flows.stage import run_stage
 from flywheel import registry
 from flywheel.config import load_pipeline
 from flywheel.data import dvc
-from flywheel.stages import ORDER, StageResult
+from flywheel.stages import ORDER, RetrainSummary, StageResult
+from flywheel.tags import (
+    FLOW_RUN_TAG,
+    GIT_DIRTY_TAG,
+    PIPELINE_RUN_TAG,
+    REFRESH_TAG,
+    REGISTERED_VERSION_TAG,
+    gate_tag,
+    stage_run_tag,
+    stage_state_tag,
+)
 from flywheel.train.students import StudentChoice, resolve_student
 from tasks.spec import STAGES, output_hashes
 
@@ -21,7 +31,7 @@ from tasks.spec import STAGES, output_hashes
 @flow(name=RETRAIN_FLOW, log_prints=False)
 def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push: bool = True,
             restored: list[str] | None = None, tags: dict[str, str] | None = None, promote: bool = True,
-            stage_jobs: dict[str, dict] | None = None, wait: bool = False) -> dict:
+            stage_jobs: dict[str, dict] | None = None, wait: bool = False) -> RetrainSummary:
     """Run every stage of the pipeline; unchanged stages come from Prefect's cache and are not run again.
 
     `restored` stages are not run: their outputs were checked out from DVC (a rerun). `tags` go on the
@@ -45,16 +55,16 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
 
 def _stages(pipeline: str, root_path: Path, cfg, student: StudentChoice, refresh: bool, push: bool,
             restored: list[str], tags: dict[str, str] | None, promote: bool, stage_jobs: dict[str, dict] | None,
-            flow_run_id: str, holding: Holding) -> dict:
+            flow_run_id: str, holding: Holding) -> RetrainSummary:
     use_dvc = dvc.is_repo(root_path)
     parent = registry.start_run(root_path, pipeline, "retrain", tags={
-        "prefect.flow_run_id": flow_run_id, "flywheel.refresh": refresh,
-        "git.dirty": registry.git_dirty(root_path), **(tags or {})})
+        FLOW_RUN_TAG: flow_run_id, REFRESH_TAG: refresh, GIT_DIRTY_TAG: registry.git_dirty(root_path),
+        **(tags or {})})
     holding.record(mlflow_run_id=parent.run_id)
     registry.record_config(parent, pipeline, cfg.model_dump(mode="json"))
     # what only some stages take: register is told whether to offer promotion, and the run it belongs to
     options = {"register": {"promote": promote, "lineage": {
-        "prefect.flow_run_id": flow_run_id, "mlflow.pipeline_run_id": parent.run_id, **(tags or {})}}}
+        FLOW_RUN_TAG: flow_run_id, PIPELINE_RUN_TAG: parent.run_id, **(tags or {})}}}
 
     results: dict[str, StageResult] = {}
     ran: list[str] = []
@@ -63,7 +73,7 @@ def _stages(pipeline: str, root_path: Path, cfg, student: StudentChoice, refresh
             started = time.monotonic()
             if name in restored:
                 results[name] = StageResult(name, "", outputs=output_hashes(name, pipeline, root_path))
-                parent.tags({f"stage.{name}": "restored"})
+                parent.tags({stage_state_tag(name): "restored"})
                 print(f"[{number}/{len(ORDER)}] {name} restored from DVC, not run", flush=True)
                 continue
             outputs_missing = not all(p.exists() for p in STAGES[name].out_paths(root_path, pipeline))
@@ -83,7 +93,7 @@ def _stages(pipeline: str, root_path: Path, cfg, student: StudentChoice, refresh
                 ran.append(name)
             results[name] = result
             took = time.monotonic() - started
-            parent.tags({f"stage.{name}": "cached" if cached else "ran", f"stage.{name}.run_id": result.run_id})
+            parent.tags({stage_state_tag(name): "cached" if cached else "ran", stage_run_tag(name): result.run_id})
             print(f"[{number}/{len(ORDER)}] {name} {'cached' if cached else 'done'} in {took:.1f}s", flush=True)
         # the datasets and models the candidate came from (register tags its version with the same)
         parent.tags(dvc.lineage_tags(root_path, pipeline, ORDER[:-1]))
@@ -94,23 +104,22 @@ def _stages(pipeline: str, root_path: Path, cfg, student: StudentChoice, refresh
     except BaseException:
         parent.end(ok=False)
         raise
-    summary = _summary(pipeline, results, ran, restored) | {"run_id": parent.run_id, "student": student.line()}
-    parent.metrics({k: v for k, v in summary["scores"].items()})
-    parent.tags({"flywheel.gate": "passed" if summary["gate_passed"] else "failed",
-                 "flywheel.registered_version": summary["version"]})
+    summary = _summary(pipeline, results, ran, restored, parent.run_id, student.line())
+    parent.metrics(dict(summary.scores))
+    parent.tags(gate_tag(summary.gate_passed) | {REGISTERED_VERSION_TAG: summary.version})
     parent.end(ok=True)
     return summary
 
 
-def _summary(pipeline: str, results: dict[str, StageResult], ran: list[str], restored: list[str]) -> dict:
+def _summary(pipeline: str, results: dict[str, StageResult], ran: list[str], restored: list[str], run_id: str,
+             student: str) -> RetrainSummary:
     gate = results["evaluate"].gate
     registration = results["register"].registration
     current = registry.get_alias(pipeline, "champion")
-    return {"pipeline": pipeline, "scores": gate["scores"], "gate_passed": gate["passed"],
-            "gate_reasons": gate["reasons"], "version": registration["version"],
-            # pass rates beside mean rewards, references, RL that changed nothing (older reports lack them)
-            **{key: gate.get(key, default) for key, default in (("pass_rates", {}), ("references", {}),
-                                                                  ("warnings", []), ("refused", []))},
-            "aliases": sorted(registry.client().get_model_version(pipeline, registration["version"]).aliases),
-            "champion": current.version if current else None, "ran": ran, "restored": restored,
-            "cached": [n for n in ORDER if n not in ran and n not in restored]}
+    return RetrainSummary(
+        pipeline=pipeline, scores=gate.scores, gate_passed=gate.passed, gate_reasons=gate.reasons,
+        version=registration["version"], pass_rates=gate.pass_rates, references=gate.references,
+        warnings=gate.warnings, refused=gate.refused,
+        aliases=sorted(registry.client().get_model_version(pipeline, registration["version"]).aliases),
+        champion=current.version if current else None, ran=ran, restored=restored,
+        cached=[n for n in ORDER if n not in ran and n not in restored], run_id=run_id, student=student)

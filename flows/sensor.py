@@ -15,8 +15,7 @@ from prefect import flow, get_run_logger
 from flows.names import SENSOR_FLOW, retrain_deployment
 from flywheel.config import load_pipeline
 from flywheel.data.arrivals import count_new, saved_watermarks
-
-TRIGGER_TAG = "flywheel.trigger"  # on the retrain runs this sensor starts
+from flywheel.tags import TRIGGER_TAG
 
 
 @flow(name=SENSOR_FLOW, log_prints=False)

@@ -33,6 +33,8 @@ from flywheel.metrics import (
     score_name,
 )
 from flywheel.registry import client
+from flywheel.stages import GateReport
+from flywheel.tags import GATE_TAG, REGISTERED_VERSION_TAG, STAGE_TAG, dvc_tag, stage_run_tag
 
 PARAMS = ("sft.steps", "sft.lr", "rl.steps", "rl.lr", "rl.group_size", "rl.lr_schedule", "rl.difficulty_filter",
           "teacher.error_rate", "gate.mode", "gate.margin")
@@ -46,7 +48,7 @@ INPUT_DATA = ("collect", "synthesize")  # the datasets a run trains on, whose ve
 RUN_COLUMNS = ("run", "started", "version", *[f"{d} data" for d in INPUT_DATA], "sft loss", "rl train reward", "gate")
 GATE_COLUMNS = ("vs champion", "cost saving", "audit", "reward-audit gap", "hacking")
 PARAM_CHARS = 30  # a longer param value (a list of sources...) is cut in the terminal; MLflow has it whole
-RETRAIN = "tags.`flywheel.stage` = 'retrain'"
+RETRAIN = f"tags.`{STAGE_TAG}` = 'retrain'"
 
 
 def retrain_runs(pipeline: str, last: int = 5, run_ids: list[str] | None = None) -> list[dict]:
@@ -81,7 +83,7 @@ def _named_run(pipeline: str, experiment, run_id: str):
 
 
 def _stage(parent, name: str):
-    run_id = parent.data.tags.get(f"stage.{name}.run_id")
+    run_id = parent.data.tags.get(stage_run_tag(name))
     if not run_id:
         return None
     try:
@@ -92,11 +94,11 @@ def _stage(parent, name: str):
 
 def _describe(pipeline: str, parent) -> dict:
     tags = parent.data.tags
+    data = dvc_tag(f"data/{pipeline}/")  # the lineage tags of the pipeline's datasets
     row = {"run_id": parent.info.run_id, "started": pd.Timestamp(parent.info.start_time, unit="ms"),
-           "status": parent.info.status, "version": tags.get("flywheel.registered_version", ""),
-           "gate": tags.get("flywheel.gate", ""),
-           "data": {k.removeprefix(f"flywheel.dvc.data/{pipeline}/"): v[:8] for k, v in tags.items()
-                    if k.startswith(f"flywheel.dvc.data/{pipeline}/")},
+           "status": parent.info.status, "version": tags.get(REGISTERED_VERSION_TAG, ""),
+           "gate": tags.get(GATE_TAG, ""),
+           "data": {k.removeprefix(data): v[:8] for k, v in tags.items() if k.startswith(data)},
            "params": {}, "metrics": {}, "curves": {}, "slices": [], "reasons": []}
     for name in ("collect", "synthesize", "sft", "rl", "evaluate"):
         run = _stage(parent, name)
@@ -110,19 +112,21 @@ def _describe(pipeline: str, parent) -> dict:
             row["curves"][f"{name} {CURVES[name]}"] = sorted((m.step, m.value) for m in history)
         if name == "evaluate":
             gate = _gate_report(run.info.run_id)
-            row["slices"], row["reasons"] = gate.get("slice_scores", []), gate.get("reasons", [])
+            if gate is not None:
+                row["slices"], row["reasons"] = gate.slice_scores, gate.reasons
     return row
 
 
-def _gate_report(run_id: str) -> dict:
+def _gate_report(run_id: str) -> GateReport | None:
+    """The gate report the evaluate run stored (gate.json); None when it stored none."""
     import mlflow.artifacts
 
     try:
         local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="gate.json",
                                                     dst_path=tempfile.mkdtemp(prefix="flywheel-gate-"))
     except (MlflowException, OSError):
-        return {}
-    return json.loads(Path(local).read_text())
+        return None
+    return GateReport.from_dict(json.loads(Path(local).read_text()))
 
 
 def summary_table(rows: list[dict]) -> pd.DataFrame:

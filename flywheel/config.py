@@ -12,9 +12,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from flywheel.devices import DEVICE_PATTERN
+from flywheel.errors import UserFacingError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserFacingError, ValueError):
     """pipelines.yaml is missing, unreadable or invalid; the message names the file and the key."""
 
 

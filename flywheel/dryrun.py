@@ -20,6 +20,7 @@ from flywheel.agent import Episode, Harness
 from flywheel.config import PipelineConfig
 from flywheel.contract import Environment, RubricError, Task
 from flywheel.data.tasksets import own_tasks, short_splits
+from flywheel.errors import UserFacingError
 from flywheel.policies.null import NullPolicy
 from flywheel.policies.oracle import OraclePolicy
 
@@ -64,7 +65,7 @@ class DryRun:
     warnings: list[str] = field(default_factory=list)
 
 
-class NoTasksError(ValueError):
+class NoTasksError(UserFacingError, ValueError):
     """The environment has no tasks to dry-run: none of its own, and no collected tasks table yet."""
 
 

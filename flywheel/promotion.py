@@ -21,8 +21,18 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 
 from flywheel.config import GateConfig
+from flywheel.errors import UserFacingError
 from flywheel.evaluate.gate import BASELINES, GateDecision, decide
 from flywheel.registry import client, get_alias
+from flywheel.tags import (
+    GATE_CHAMPION_TAG,
+    PREVIOUS_CHAMPION_TAG,
+    PROMOTION_REASONS_TAG,
+    PROMOTION_TAG,
+    REWARD_HACKING_REASON_TAG,
+    REWARD_HACKING_TAG,
+    ROLLED_BACK_TAG,
+)
 
 EVAL_ARTIFACT = "eval/eval.parquet"  # where register() stores a version's eval table
 CANDIDATE = "rl"  # the rows of the eval table that score the registered model itself
@@ -33,7 +43,7 @@ CANDIDATE = "rl"  # the rows of the eval table that score the registered model i
 Reevaluate = Callable[[str, str], tuple[pd.DataFrame, str]]
 
 
-class PromotionError(RuntimeError):
+class PromotionError(UserFacingError, RuntimeError):
     """A promotion that cannot be attempted (unknown version, nothing to roll back to)."""
 
 
@@ -119,7 +129,7 @@ def gate_against_champion(name: str, version: str, champion: str | None, gate: G
         if not _pair(candidate, reference):
             tags = client().get_model_version(name, version).tags
             scored_then = table[labels == "champion"]
-            if tags.get("flywheel.gate_champion") == champion and _pair(candidate, scored_then):
+            if tags.get(GATE_CHAMPION_TAG) == champion and _pair(candidate, scored_then):
                 reference = scored_then
                 notes.append(f"the stored tables of versions {version} and {champion} are on other held-out tasks: "
                              f"gated on version {version}'s own evaluation, which scored champion {champion} on the "
@@ -135,8 +145,8 @@ def gate_against_champion(name: str, version: str, champion: str | None, gate: G
                              f"({where}); the base-model ceiling check is the one taken at registration")
     # the RL monitor's verdict, recorded on the version at registration, refuses it whatever its scores
     tags = client().get_model_version(name, version).tags
-    flags = [tags.get("flywheel.reward_hacking_reason") or "reward hacking flagged by the RL monitor"] \
-        if tags.get("flywheel.reward_hacking") == "flagged" else []
+    flags = [tags.get(REWARD_HACKING_REASON_TAG) or "reward hacking flagged by the RL monitor"] \
+        if tags.get(REWARD_HACKING_TAG) == "flagged" else []
     decision = decide(candidate, reference, gate, flags=flags, baselines=baselines)
     decision.reasons[:0] = notes
     if reevaluate is None and any("do not pair" in r for r in decision.reasons):
@@ -169,9 +179,9 @@ def _set_champion(name: str, version: str, previous: str | None, how: str, reaso
         # cannot happen while every writer holds the lock; if one did not, do not overwrite its move
         raise PromotionError(f"champion of '{name}' moved while version {version} was being promoted; retry")
     if previous and previous != version and how != "rollback":
-        c.set_model_version_tag(name, version, "flywheel.previous_champion", previous)
-    c.set_model_version_tag(name, version, "flywheel.promotion", how)
-    c.set_model_version_tag(name, version, "flywheel.promotion_reasons", "; ".join(reasons)[:5000])
+        c.set_model_version_tag(name, version, PREVIOUS_CHAMPION_TAG, previous)
+    c.set_model_version_tag(name, version, PROMOTION_TAG, how)
+    c.set_model_version_tag(name, version, PROMOTION_REASONS_TAG, "; ".join(reasons)[:5000])
     c.set_registered_model_alias(name, "champion", version)
 
 
@@ -218,10 +228,10 @@ def rollback(name: str) -> Promotion:
         if current is None:
             raise PromotionError(f"model '{name}' has no champion to roll back")
         tags = client().get_model_version(name, current.version).tags
-        previous = tags.get("flywheel.previous_champion")
+        previous = tags.get(PREVIOUS_CHAMPION_TAG)
         if not previous:
             raise PromotionError(f"champion version {current.version} of '{name}' records no previous champion")
         reasons = [f"rolled back from version {current.version}"]
-        client().set_model_version_tag(name, current.version, "flywheel.rolled_back", "true")
+        client().set_model_version_tag(name, current.version, ROLLED_BACK_TAG, "true")
         _set_champion(name, previous, current.version, "rollback", reasons)
         return Promotion(True, previous, previous, current.version, reasons, "rollback")

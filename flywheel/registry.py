@@ -20,6 +20,7 @@ from mlflow.entities import RunStatus
 from mlflow.exceptions import MlflowException
 
 from flywheel.settings import state_dir
+from flywheel.tags import GIT_COMMIT_TAG, MODEL_HASH_TAG, PARENT_RUN_TAG, PIPELINE_TAG, STAGE_TAG
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +108,9 @@ class Run:
 
 def start_run(root: Path, pipeline: str, name: str, parent: str | None = None, tags: dict | None = None) -> Run:
     """A new run in the pipeline's experiment, nested under `parent` when given."""
-    all_tags = {"flywheel.pipeline": pipeline, "flywheel.stage": name, "git.commit": git_commit(root)}
+    all_tags = {PIPELINE_TAG: pipeline, STAGE_TAG: name, GIT_COMMIT_TAG: git_commit(root)}
     if parent:
-        all_tags["mlflow.parentRunId"] = parent
+        all_tags[PARENT_RUN_TAG] = parent
     all_tags.update({k: str(v) for k, v in (tags or {}).items()})
     info = client().create_run(experiment_id(root, pipeline), run_name=name, tags=all_tags).info
     return Run(info.run_id)
@@ -183,7 +184,7 @@ class Version:
 
 
 def _version(mv) -> Version:
-    return Version(mv.name, str(mv.version), mv.tags.get("flywheel.model_hash", ""), mv.source,
+    return Version(mv.name, str(mv.version), mv.tags.get(MODEL_HASH_TAG, ""), mv.source,
                    tuple(mv.aliases or ()))
 
 
@@ -262,7 +263,7 @@ def log_student(run: Run, model_dir: Path, name: str, python_model, example: dic
     import mlflow
 
     inside = f"artifacts/{model_dir.name}"  # where MLflow puts the artifact folder
-    metadata = {"flywheel.pipeline": name, "checkpoint": inside,
+    metadata = {PIPELINE_TAG: name, "checkpoint": inside,  # the model's metadata names its pipeline as runs do
                 # the template the student was trained with travels in its tokenizer files
                 "chat_template": f"{inside}/chat_template.jinja" if (model_dir / "chat_template.jinja").exists()
                 else f"{inside}/tokenizer_config.json"}
@@ -279,7 +280,7 @@ def log_student(run: Run, model_dir: Path, name: str, python_model, example: dic
 
 def _holding(c, name: str, model_hash: str) -> list:
     """The versions of `name` tagged with model_hash, oldest (lowest number) first."""
-    found = c.search_model_versions(f"name = '{name}' and tags.`flywheel.model_hash` = '{model_hash}'")
+    found = c.search_model_versions(f"name = '{name}' and tags.`{MODEL_HASH_TAG}` = '{model_hash}'")
     return sorted(found, key=lambda mv: int(mv.version))
 
 
@@ -319,7 +320,7 @@ def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
     if existing:
         mv = existing[0]
     else:
-        version_tags = {"flywheel.model_hash": model_hash, **{k: str(v) for k, v in tags.items()}}
+        version_tags = {MODEL_HASH_TAG: model_hash, **{k: str(v) for k, v in tags.items()}}
         if python_model is not None:
             model_id = log_student(run, model_dir, name, python_model, example, tags)
             source = {"source": f"models:/{model_id}", "model_id": model_id}

@@ -26,8 +26,10 @@ from flywheel import registry
 from flywheel.config import ConfigError, load_pipeline
 from flywheel.data import dvc
 from flywheel.data.lineage import dvc_md5
+from flywheel.errors import UserFacingError
 from flywheel.evaluate.stats import paired_bootstrap
 from flywheel.settings import state_dir
+from flywheel.tags import GATE_TAG, GIT_COMMIT_TAG, GIT_DIRTY_TAG, PARENT_RUN_TAG, PIPELINE_TAG, STAGE_TAG
 
 SCORED = ("base", "sft", "rl")  # the models a retrain run itself produces; a champion row is another model
 MEASURED = "evaluate"  # its eval table holds measured latency: compared by scores, not bytes
@@ -37,7 +39,7 @@ _NOT_COPIED_TOP = {".git", ".venv", ".flywheel", "data", "models", "mlruns", "ml
 _NOT_COPIED = {"__pycache__", ".pytest_cache", ".ruff_cache"}
 
 
-class RerunError(RuntimeError):
+class RerunError(UserFacingError, RuntimeError):
     """The run cannot be reproduced as asked; the message says why and what to do."""
 
 
@@ -64,7 +66,7 @@ def _retrain_run_starting(prefix: str):
     """The one retrain run whose id starts with `prefix`, in any experiment; a RerunError for none or several."""
     c = registry.client()
     experiments = [e.experiment_id for e in c.search_experiments()]
-    found = [r for r in c.search_runs(experiments, "tags.`flywheel.stage` = 'retrain'")
+    found = [r for r in c.search_runs(experiments, f"tags.`{STAGE_TAG}` = 'retrain'")
              if r.info.run_id.startswith(prefix)] if experiments and prefix else []
     if len(found) != 1:
         raise RerunError(f"{'no' if not found else len(found)} retrain run(s) in "
@@ -82,9 +84,9 @@ def recorded_run(run_id: str) -> Recorded:
         run = _retrain_run_starting(run_id)  # the first characters of an id, as `flywheel compare` prints it
         run_id = run.info.run_id
     tags = run.data.tags
-    pipeline, stage = tags.get("flywheel.pipeline"), tags.get("flywheel.stage")
+    pipeline, stage = tags.get(PIPELINE_TAG), tags.get(STAGE_TAG)
     if stage != "retrain" or not pipeline:
-        parent = tags.get("mlflow.parentRunId")
+        parent = tags.get(PARENT_RUN_TAG)
         hint = f"; its pipeline run is {parent}" if parent else ""
         raise RerunError(f"run {run_id} is {'a ' + repr(stage) if stage else 'not a flywheel'} run, not a retrain "
                          f"run: pass the id of a `retrain` run{hint}")
@@ -96,15 +98,15 @@ def recorded_run(run_id: str) -> Recorded:
     if config_text is None:
         raise RerunError(f"run {run_id} was recorded by an older version: no config snapshot "
                          f"({registry.RECORD_CONFIG}); to run it again, check out its commit "
-                         f"{tags.get('git.commit', 'unknown')} and its dvc.lock, then `dvc repro`")
+                         f"{tags.get(GIT_COMMIT_TAG, 'unknown')} and its dvc.lock, then `dvc repro`")
     if lock_text is None:
         raise RerunError(f"run {run_id} recorded no dvc.lock ({registry.RECORD_LOCK}): it ran outside a DVC "
                          "project, so its data versions are unknown")
     lock = dvc.parse_lock(lock_text, f"the dvc.lock recorded on run {run_id} ({registry.RECORD_LOCK})",
                           "the record is damaged: rerun another retrain run")
     scores = {k: v for k, v in run.data.metrics.items() if k.startswith("score_")}
-    return Recorded(run_id, pipeline, config_text, lock, tags.get("git.commit", "unknown"), tags.get("git.dirty", ""),
-                    tags.get("flywheel.gate", ""), scores)
+    return Recorded(run_id, pipeline, config_text, lock, tags.get(GIT_COMMIT_TAG, "unknown"),
+                    tags.get(GIT_DIRTY_TAG, ""), tags.get(GATE_TAG, ""), scores)
 
 
 def warnings(recorded: Recorded, root: Path) -> list[str]:

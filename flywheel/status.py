@@ -7,8 +7,23 @@ from dataclasses import dataclass
 import pandas as pd
 from mlflow.exceptions import MlflowException
 
+from flywheel.metrics import score_name
 from flywheel.registry import client
 from flywheel.stages import ORDER
+from flywheel.tags import (
+    DVC_PREFIX,
+    GATE_REFUSED_TAG,
+    GATE_TAG,
+    PIPELINE_RUN_TAG,
+    PROMOTION_TAG,
+    REGISTERED_VERSION_TAG,
+    RERUN_OF_TAG,
+    STAGE_TAG,
+    dvc_tag,
+    pass_rate_tag,
+    score_tag,
+    stage_state_tag,
+)
 
 ALIASES = ("champion", "challenger")
 
@@ -59,8 +74,8 @@ class PipelineStatus:
 
 
 def _data(tags: dict) -> dict[str, str]:
-    return {k.removeprefix("flywheel.dvc."): v for k, v in tags.items()
-            if k.startswith(("flywheel.dvc.data/", "flywheel.dvc.models/"))}
+    return {k.removeprefix(DVC_PREFIX): v for k, v in tags.items()
+            if k.startswith((dvc_tag("data/"), dvc_tag("models/")))}
 
 
 def pipeline_status(pipeline: str, last: int = 5) -> PipelineStatus:
@@ -72,22 +87,22 @@ def pipeline_status(pipeline: str, last: int = 5) -> PipelineStatus:
             mv = c.get_model_version_by_alias(pipeline, alias)
         except MlflowException:
             continue
-        score, passed = mv.tags.get("flywheel.score.score_rl"), mv.tags.get("flywheel.pass_rate.rl")
-        gate = "refused" if mv.tags.get("flywheel.gate_refused") else mv.tags.get("flywheel.gate", "")
+        score, passed = mv.tags.get(score_tag(score_name("rl"))), mv.tags.get(pass_rate_tag("rl"))
+        gate = "refused" if mv.tags.get(GATE_REFUSED_TAG) else mv.tags.get(GATE_TAG, "")
         aliases.append(AliasState(alias, str(mv.version), float(score) if score else None,
                                   pd.Timestamp(mv.creation_timestamp, unit="ms", tz="UTC"),
-                                  mv.tags.get("mlflow.pipeline_run_id", mv.run_id or ""),
-                                  gate, mv.tags.get("flywheel.promotion", ""),
+                                  mv.tags.get(PIPELINE_RUN_TAG, mv.run_id or ""),
+                                  gate, mv.tags.get(PROMOTION_TAG, ""),
                                   _data(mv.tags), float(passed) if passed else None))
     runs = []
     experiment = c.get_experiment_by_name(pipeline)
     if experiment is not None:
-        for run in c.search_runs([experiment.experiment_id], "tags.`flywheel.stage` = 'retrain'",
+        for run in c.search_runs([experiment.experiment_id], f"tags.`{STAGE_TAG}` = 'retrain'",
                                  order_by=["attributes.start_time DESC"], max_results=last):
             tags = run.data.tags
             runs.append(RunState(run.info.run_id, pd.Timestamp(run.info.start_time, unit="ms", tz="UTC"),
-                                 run.info.status, tags.get("flywheel.gate", ""),
-                                 tags.get("flywheel.registered_version", ""),
-                                 {s: tags[f"stage.{s}"] for s in ORDER if f"stage.{s}" in tags},
-                                 tags.get("flywheel.rerun_of", ""), _data(tags)))
+                                 run.info.status, tags.get(GATE_TAG, ""),
+                                 tags.get(REGISTERED_VERSION_TAG, ""),
+                                 {s: tags[stage_state_tag(s)] for s in ORDER if stage_state_tag(s) in tags},
+                                 tags.get(RERUN_OF_TAG, ""), _data(tags)))
     return PipelineStatus(pipeline, aliases, runs)

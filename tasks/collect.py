@@ -19,14 +19,16 @@ from flywheel.data.tasksets import made_tasks, task_table
 from flywheel.data.trace_rows import collect as collect_traces
 from flywheel.data.trace_rows import gc_paused, system_allocator, table_rows
 from flywheel.envs import environment_sources
+from flywheel.errors import UserFacingError
 from flywheel.stages import StageResult
+from flywheel.tags import COLLECT_MODE_TAG, out_tag
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
 
 WARNINGS_SHOWN = 10  # records kept with something to look at, printed; the count is the `warnings` metric
 
 
-class TooManyBadRecords(RuntimeError):
+class TooManyBadRecords(UserFacingError, RuntimeError):
     """More than max_bad_fraction of the records read were quarantined."""
 
 
@@ -112,8 +114,7 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
             metrics |= {f"source/{label}/records": found.records[label], f"source/{label}/traces": tables.new[label],
                         f"source/{label}/quarantined": found.bad[label]}
         stage.run.metrics(metrics)
-        stage.run.tags({"flywheel.out.collect": digest,
-                        "flywheel.collect.mode": "full" if since is None else "incremental"})
+        stage.run.tags({out_tag("collect"): digest, COLLECT_MODE_TAG: "full" if since is None else "incremental"})
         return stage.done(metrics)
 
 

@@ -20,7 +20,8 @@ from flywheel.evaluate.gate import BASELINES, GateDecision, decide
 from flywheel.evaluate.report import model_scores, plot_slices, reference_shares, slice_scores
 from flywheel.evaluate.runner import check_contamination, require_heldout, synthetic_prompt_hashes
 from flywheel.metrics import GATE_COST_SAVING, GATE_COST_SAVING_LOW, GATE_REFUSED, pass_rate_name, score_name
-from flywheel.stages import StageResult
+from flywheel.stages import GateReport, StageResult
+from flywheel.tags import GATE_REFUSED_TAG, gate_tag, out_tag
 from flywheel.train.rl.loop import NO_UPDATES_FILE
 from flywheel.train.rl.monitor import MONITOR_FILE
 from tasks.caching import by_content
@@ -68,24 +69,24 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
                       for r in cfg.evaluate.references}
         unanswered = {label: s.unanswered for label, s in scored.items() if s.unanswered}
         user_errors = {label: s.user_errors for label, s in scored.items() if s.user_errors}
-        report = {"passed": decision.passed, "reasons": decision.reasons, "refused": decision.refusals,
-                  "numbers": json.loads(decision.to_json())["numbers"],
-                  "scores": scores, "pass_rates": pass_rates,
-                  "models": json.loads(model_scores(table, cfg.gate, unanswered).to_json(orient="records")),
-                  "references": references, "user_errors": user_errors, "warnings": _rl_warnings(catalog),
-                  "candidate_hash": candidate_hash, "champion_version": champion_version}
         per_slice = slice_scores(table, cfg.gate)
-        report["slice_scores"] = json.loads(per_slice.round(6).to_json(orient="records"))
-        gate_path = catalog.write_json("evaluate", "gate.json", report)
-        run.metrics(scores | pass_rates | _gate_metrics(decision, report["numbers"]) | _reference_metrics(references)
+        report = GateReport(
+            passed=decision.passed, reasons=decision.reasons, refused=decision.refusals,
+            numbers=json.loads(decision.to_json())["numbers"], scores=scores, pass_rates=pass_rates,
+            models=json.loads(model_scores(table, cfg.gate, unanswered).to_json(orient="records")),
+            references=references, user_errors=user_errors, warnings=_rl_warnings(catalog),
+            candidate_hash=candidate_hash, champion_version=champion_version,
+            slice_scores=json.loads(per_slice.round(6).to_json(orient="records")))
+        gate_path = catalog.write_json("evaluate", "gate.json", report.to_dict())
+        run.metrics(scores | pass_rates | _gate_metrics(decision, report.numbers) | _reference_metrics(references)
                     | {f"user_errors_{label}": n for label, n in user_errors.items()})
         with tempfile.TemporaryDirectory() as tmp:
             plot = plot_slices(per_slice, Path(tmp) / "gate_slices.png", f"{pipeline}: held-out reward by slice")
             if plot is not None:
                 run.artifact(plot)
-        run.tags({"flywheel.gate": "passed" if decision.passed else "failed",
-                  "flywheel.out.evaluate": content_hash([catalog.stage_dir("evaluate")], root_path)}
-                 | ({"flywheel.gate_refused": "; ".join(decision.refusals)[:5000]} if decision.refusals else {}))
+        run.tags(gate_tag(decision.passed)
+                 | {out_tag("evaluate"): content_hash([catalog.stage_dir("evaluate")], root_path)}
+                 | ({GATE_REFUSED_TAG: "; ".join(decision.refusals)[:5000]} if decision.refusals else {}))
         run.artifact(gate_path)
         publish_eval_report(pipeline, report)
         return stage.done(scores, gate=report)

@@ -29,6 +29,7 @@ from flywheel.contract import Environment
 from flywheel.data.catalog import Catalog
 from flywheel.registry import Run, stage_run
 from flywheel.stages import ORDER, StageResult
+from flywheel.tags import out_tag
 from flywheel.train.students import resolve_student
 from tasks.caching import by_content
 from tasks.spec import output_hashes
@@ -80,7 +81,7 @@ class StageContext:
         if counters:  # tool errors, timeouts, bad returns, judge verdicts it could not parse: env.<counter>
             self.run.metrics({f"env.{key}": value for key, value in counters.items()})
         outputs = output_hashes(self.name, self.pipeline, self.root)
-        self.run.tags({f"flywheel.out.{path}": digest for path, digest in outputs.items()})
+        self.run.tags({out_tag(path): digest for path, digest in outputs.items()})
         return StageResult(self.name, self.run.run_id, metrics, outputs, **fields)
 
 

@@ -15,7 +15,25 @@ from flywheel.evaluate.report import reference_line
 from flywheel.metrics import PASS_RATE
 from flywheel.serving.chat import input_example
 from flywheel.serving.mlflow_model import StudentChatModel
-from flywheel.stages import ORDER, StageResult
+from flywheel.stages import ORDER, GateReport, StageResult
+from flywheel.tags import (
+    ADAPTER_BASE_TAG,
+    CONFIG_HASH_TAG,
+    GATE_CHAMPION_TAG,
+    GATE_REASONS_TAG,
+    GATE_REFUSED_TAG,
+    GIT_COMMIT_TAG,
+    REGISTERED_VERSION_TAG,
+    REWARD_HACKING_REASON_TAG,
+    REWARD_HACKING_TAG,
+    RL_NO_UPDATES_TAG,
+    data_tag,
+    gate_diff_tag,
+    gate_tag,
+    pass_rate_tag,
+    reference_tag,
+    score_tag,
+)
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
 
@@ -39,28 +57,28 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
     """
     with stage_context("register", pipeline, root, parent_run_id) as stage:
         cfg, catalog, root_path, run = stage.cfg, stage.catalog, stage.root, stage.run
-        gate = catalog.read_json("evaluate", "gate.json")
-        run.params({"gate_passed": gate["passed"]})
+        gate = GateReport.from_dict(catalog.read_json("evaluate", "gate.json"))
+        run.params({"gate_passed": gate.passed})
         model_dir = catalog.model_dir("rl")
         model_hash = content_hash([model_dir], root_path)
-        if model_hash != gate["candidate_hash"]:
+        if model_hash != gate.candidate_hash:
             raise RuntimeError(f"{model_dir} changed since it was evaluated (hash {model_hash}, evaluated "
-                               f"{gate['candidate_hash']}); rerun the evaluate stage")
-        tags = {"flywheel.gate": "passed" if gate["passed"] else "failed",
-                "flywheel.config_hash": cfg.section_hash(*cfg.model_dump().keys()),
-                "git.commit": registry.git_commit(root_path),
-                **{f"flywheel.score.{k}": round(v, 4) for k, v in gate["scores"].items()},
-                **{f"flywheel.data.{k}": v for k, v in dvc.lock_hashes(root_path, "rl", pipeline).items()},
+                               f"{gate.candidate_hash}); rerun the evaluate stage")
+        tags = {**gate_tag(gate.passed),
+                CONFIG_HASH_TAG: cfg.section_hash(*cfg.model_dump().keys()),
+                GIT_COMMIT_TAG: registry.git_commit(root_path),
+                **{score_tag(k): round(v, 4) for k, v in gate.scores.items()},
+                **{data_tag(k): v for k, v in dvc.lock_hashes(root_path, "rl", pipeline).items()},
                 **dvc.lineage_tags(root_path, pipeline, ORDER[:ORDER.index("register")]),
                 **(lineage or {})}
         if adapter_base(model_dir):  # a LoRA adapter: serving needs the base it was trained over
-            tags["flywheel.adapter_base"] = adapter_base(model_dir)
-        flags = gate["numbers"].get("flags") or []
-        tags |= {"flywheel.reward_hacking": "flagged" if flags else "clean"} | (
-            {"flywheel.reward_hacking_reason": "; ".join(flags)[:5000]} if flags else {})
-        tags |= {"flywheel.gate_reasons": "; ".join(gate["reasons"])[:5000],
-                 "flywheel.gate_champion": gate.get("champion_version") or "none",
-                 **{f"flywheel.gate.{k}": round(v, 4) for k, v in (gate["numbers"].get("diff") or {}).items()
+            tags[ADAPTER_BASE_TAG] = adapter_base(model_dir)
+        flags = gate.numbers.get("flags") or []
+        tags |= {REWARD_HACKING_TAG: "flagged" if flags else "clean"} | (
+            {REWARD_HACKING_REASON_TAG: "; ".join(flags)[:5000]} if flags else {})
+        tags |= {GATE_REASONS_TAG: "; ".join(gate.reasons)[:5000],
+                 GATE_CHAMPION_TAG: gate.champion_version or "none",
+                 **{gate_diff_tag(k): round(v, 4) for k, v in (gate.numbers.get("diff") or {}).items()
                     if isinstance(v, float)}}
         tags |= _measured_tags(gate)
         version = registry.register(run, pipeline, model_dir, model_hash, tags, ["challenger"],
@@ -70,33 +88,32 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
         # champion since, the stored eval tables are gated again against the new one
         if promote:
             outcome = promotion.promote(pipeline, version.version, cfg.gate,
-                                        decision=GateDecision(gate["passed"], list(gate["reasons"]),
-                                                              gate["numbers"], list(gate.get("refused", []))),
-                                        judged_against=gate.get("champion_version"),
+                                        decision=GateDecision(gate.passed, list(gate.reasons), gate.numbers,
+                                                              list(gate.refused)),
+                                        judged_against=gate.champion_version,
                                         reevaluate=lambda v, c: promotion.evaluate_now(pipeline, v, c, root_path, cfg))
             promoted, reasons = outcome.promoted, outcome.reasons
         else:
             promoted, reasons = False, ["not offered for promotion (a rerun: `flywheel rerun --promote` offers it)"]
         version = registry.get_version(pipeline, version.version)
         result = {"version": version.version, "aliases": list(version.aliases), "model_hash": model_hash,
-                  "gate_passed": gate["passed"], "promoted": promoted, "promotion_reasons": reasons}
+                  "gate_passed": gate.passed, "promoted": promoted, "promotion_reasons": reasons}
         catalog.write_json("register", "registration.json", result)
-        run.tags({"flywheel.registered_version": version.version})
+        run.tags({REGISTERED_VERSION_TAG: version.version})
         return stage.done({}, registration=result)
 
 
-def _measured_tags(gate: dict) -> dict:
+def _measured_tags(gate: GateReport) -> dict:
     """Pass rates beside the mean rewards, why the gate could not measure (if so), the references' shares, and
     RL's word that it changed nothing: what the version's tags must say for its scores to be read right."""
-    tags = {f"flywheel.pass_rate.{k.removeprefix(PASS_RATE)}": round(v, 4)
-            for k, v in gate.get("pass_rates", {}).items()}
-    if gate.get("refused"):
-        tags["flywheel.gate_refused"] = "; ".join(gate["refused"])[:5000]
-    for name, ref in gate.get("references", {}).items():
-        tags[f"flywheel.reference.{name}"] = reference_line(name, ref)[:5000]
-        tags |= {f"flywheel.reference.{name}.{k}": round(ref[k], 6) if isinstance(ref[k], float) else ref[k]
+    tags = {pass_rate_tag(k.removeprefix(PASS_RATE)): round(v, 4) for k, v in gate.pass_rates.items()}
+    if gate.refused:
+        tags[GATE_REFUSED_TAG] = "; ".join(gate.refused)[:5000]
+    for name, ref in gate.references.items():
+        tags[reference_tag(name)] = reference_line(name, ref)[:5000]
+        tags |= {reference_tag(name, k): round(ref[k], 6) if isinstance(ref[k], float) else ref[k]
                  for k in ("pass_rate", "pass_share", "cost_per_task_usd", "cost_share", "unanswered")
                  if ref.get(k) is not None}
-    if gate.get("warnings"):
-        tags["flywheel.rl_no_updates"] = "; ".join(gate["warnings"])[:5000]
+    if gate.warnings:
+        tags[RL_NO_UPDATES_TAG] = "; ".join(gate.warnings)[:5000]
     return tags

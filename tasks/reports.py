@@ -6,24 +6,25 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import TaskRunContext
 
 from flywheel.evaluate.report import reference_line
+from flywheel.stages import GateReport
 
 
-def publish_eval_report(pipeline: str, report: dict) -> None:
+def publish_eval_report(pipeline: str, report: GateReport) -> None:
     """Attach the eval report to the running Prefect task; a no-op when the stage runs outside Prefect."""
     if TaskRunContext.get() is None:
         return
     # one row per (model, slice): the mean reward and the pass rate side by side, the null policy's row first
     rows = [{"model": s["model"], "slice": s["slice"], "mean reward": round(s["score"], 4),
-             "pass rate": round(s["pass_rate"], 4), "tasks": s["tasks"]} for s in report["slice_scores"]]
+             "pass rate": round(s["pass_rate"], 4), "tasks": s["tasks"]} for s in report.slice_scores]
     create_table_artifact(key=f"{pipeline}-eval-scores", table=rows,
                           description=f"Held-out mean reward and pass rate by model and slice ({pipeline})")
-    verdict = ("PASSED" if report["passed"] else
-               "REFUSED: the eval cannot measure this candidate" if report.get("refused") else "NOT PROMOTED")
-    lines = [f"# Gate: {verdict}", "", *[f"- {r}" for r in report["reasons"]]]
-    if report.get("references"):
-        lines += ["", "## References", *[f"- {reference_line(n, r)}" for n, r in report["references"].items()]]
-    if report.get("warnings"):
-        lines += ["", "## Warnings", *[f"- {w}" for w in report["warnings"]]]
+    verdict = ("PASSED" if report.passed else
+               "REFUSED: the eval cannot measure this candidate" if report.refused else "NOT PROMOTED")
+    lines = [f"# Gate: {verdict}", "", *[f"- {r}" for r in report.reasons]]
+    if report.references:
+        lines += ["", "## References", *[f"- {reference_line(n, r)}" for n, r in report.references.items()]]
+    if report.warnings:
+        lines += ["", "## Warnings", *[f"- {w}" for w in report.warnings]]
     create_markdown_artifact(key=f"{pipeline}-gate", markdown="\n".join(lines),
                              description=f"Promotion gate decision ({pipeline})")
 

@@ -9,8 +9,10 @@ import pandas as pd
 
 from flywheel.data.schemas import Rollouts
 from flywheel.data.tasksets import row_task
+from flywheel.errors import UserFacingError
 from flywheel.metrics import final_metrics
 from flywheel.stages import StageResult
+from flywheel.tags import REWARD_HACKING_REASON_TAG, REWARD_HACKING_TAG, RL_NO_UPDATES_TAG
 from flywheel.train.rl.loop import NO_UPDATES_FILE, no_update_warning, train_rl
 from flywheel.train.rl.monitor import MONITOR_FILE, Monitor, audit_sample
 from flywheel.train.rl.objective import objective_of
@@ -19,7 +21,7 @@ from tasks.progress import progress
 from tasks.reports import publish_monitor_report
 
 
-class NoUpdatesError(RuntimeError):
+class NoUpdatesError(UserFacingError, RuntimeError):
     """RL changed nothing and rl.fail_on_no_updates asks for an error instead of a warning."""
 
 
@@ -52,15 +54,15 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
         if monitor is not None:
             report = monitor.report()
             catalog.write_json("rl", MONITOR_FILE, report)
-            run.tags({"flywheel.reward_hacking": "flagged" if report["flagged"] else "clean"}
-                     | ({"flywheel.reward_hacking_reason": report["reason"][:5000]} if report["flagged"] else {}))
+            run.tags({REWARD_HACKING_TAG: "flagged" if report["flagged"] else "clean"}
+                     | ({REWARD_HACKING_REASON_TAG: report["reason"][:5000]} if report["flagged"] else {}))
             publish_monitor_report(pipeline, report)
         run.metrics(final_metrics(summary))
         # RL switched off (steps 0) is asked for; RL that ran and changed nothing is said, or an error if asked
         warning = no_update_warning(summary, catalog.model_dir("sft"), out_dir) if cfg.rl.steps else ""
         catalog.write_json("rl", NO_UPDATES_FILE, {"warning": warning})
         if warning:
-            run.tags({"flywheel.rl_no_updates": warning[:5000]})
+            run.tags({RL_NO_UPDATES_TAG: warning[:5000]})
             if cfg.rl.fail_on_no_updates:
                 raise NoUpdatesError(f"pipeline '{pipeline}': {warning} (rl.fail_on_no_updates is true)")
         return stage.done(summary)

@@ -9,6 +9,7 @@ from flywheel.checkpoints import adapter_base
 from flywheel.data.lineage import dvc_md5, log_dataset
 from flywheel.metrics import final_metrics
 from flywheel.stages import StageResult
+from flywheel.tags import ADAPTER_BASE_TAG
 from flywheel.train.sft import train_sft
 from flywheel.train.tiny import build_tiny_student, render_conversation
 from tasks.kernel import stage_context, stage_task
@@ -57,5 +58,5 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Sta
         run.metrics(final_metrics(result))
         base_of_adapter = adapter_base(catalog.model_dir("sft"))
         if base_of_adapter:
-            run.tags({"flywheel.adapter_base": base_of_adapter})
+            run.tags({ADAPTER_BASE_TAG: base_of_adapter})
         return stage.done(result)

@@ -123,11 +123,13 @@ def test_auto_picking_smollm2_without_its_package_says_make_smol_setup(monkeypat
 
 def test_the_run_summary_says_which_student_ran(tmp_path, monkeypatch, capsys):
     from flywheel.cli.render import print_summary
+    from flywheel.stages import RetrainSummary
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    summary = {"pipeline": "demo", "scores": {"score_rl": 0.9}, "pass_rates": {"pass_rate_rl": 0.9},
-               "gate_passed": True, "gate_reasons": [], "version": "1", "aliases": ["champion"], "champion": "1",
-               "ran": ["sft"], "cached": [], "student": StudentChoice("tiny", auto=True, prompt_bytes=136).line()}
+    summary = RetrainSummary(pipeline="demo", scores={"score_rl": 0.9}, pass_rates={"pass_rate_rl": 0.9},
+                             gate_passed=True, gate_reasons=[], version="1", aliases=["champion"], champion="1",
+                             ran=["sft"], cached=[],
+                             student=StudentChoice("tiny", auto=True, prompt_bytes=136).line())
     print_summary(summary, tmp_path, 1.0)
     assert "student: tiny (auto: the longest first-turn prompt is 136 bytes, at most 256)" in capsys.readouterr().out
 

@@ -40,26 +40,26 @@ def test_a_run_that_learned_nothing_is_refused_and_says_so(project, prefect_serv
         summary = retrain(pipeline="small", root=str(project))
 
     # refused, named why: the null policy is at the candidate's level and no slice tells the models apart
-    assert not summary["gate_passed"]
-    assert summary["scores"]["score_null"] == summary["pass_rates"]["pass_rate_null"] == 0.0
-    assert summary["scores"]["score_rl"] == 0.0
-    refused = summary["refused"]
+    assert not summary.gate_passed
+    assert summary.scores["score_null"] == summary.pass_rates["pass_rate_null"] == 0.0
+    assert summary.scores["score_rl"] == 0.0
+    refused = summary.refused
     assert any(r.startswith("cannot measure: the null policy (an empty answer) scores 0.0000") for r in refused)
     assert any(r.startswith("cannot measure: slice 'add': every model (candidate, null, base, sft)") for r in refused)
-    assert set(refused) <= set(summary["gate_reasons"])
+    assert set(refused) <= set(summary.gate_reasons)
     # RL made no update (every group's rewards were 0): said in the summary
-    assert summary["warnings"] == ["RL made 0 optimiser updates in 2 steps; 100% of its groups had equal rewards, "
-                                   "so no signal: the RL model is the SFT model"]
+    assert summary.warnings == ["RL made 0 optimiser updates in 2 steps; 100% of its groups had equal rewards, "
+                                "so no signal: the RL model is the SFT model"]
     # the references: the healthy one whole, the dying one incomplete, neither in the gate
-    oracle, broken = summary["references"]["oracle"], summary["references"]["dying"]
+    oracle, broken = summary.references["oracle"], summary.references["dying"]
     assert oracle["pass_rate"] > 0.9 and not oracle["incomplete"] and oracle["unanswered"] == 0
     assert oracle["pass_share"] == 0.0 and 0 < oracle["cost_share"] < 1  # the student is cheaper, and fails
     assert broken["incomplete"] and broken["unanswered"] > 0 and broken["tasks"] > 0
     assert "TeacherError" in broken["failure"]
-    assert not any("oracle" in r or "dying" in r for r in summary["gate_reasons"]), "the gate never reads them"
+    assert not any("oracle" in r or "dying" in r for r in summary.gate_reasons), "the gate never reads them"
 
     # the version is challenger, not champion; its tags say all of it
-    version = registry.client().get_model_version("small", summary["version"])
+    version = registry.client().get_model_version("small", summary.version)
     assert list(version.aliases) == ["challenger"] and registry.get_alias("small", "champion") is None
     tags = version.tags
     assert tags["flywheel.gate"] == "failed" and "the null policy (an empty answer)" in tags["flywheel.gate_refused"]
@@ -69,11 +69,11 @@ def test_a_run_that_learned_nothing_is_refused_and_says_so(project, prefect_serv
     assert tags["flywheel.reference.oracle"].startswith("reference 'oracle': pass rate 1.000; the candidate "
                                                         "reaches 0.0% of it at ")
     assert f"INCOMPLETE: {broken['unanswered']} task(s) unanswered" in tags["flywheel.reference.dying"]
-    assert tags["flywheel.rl_no_updates"] == summary["warnings"][0]
+    assert tags["flywheel.rl_no_updates"] == summary.warnings[0]
 
     # MLflow: the evaluate run's metrics and the rl run's tag and per-step share
     client = registry.client()
-    parent = client.get_run(summary["run_id"])
+    parent = client.get_run(summary.run_id)
     evaluated = client.get_run(parent.data.tags["stage.evaluate.run_id"]).data
     assert evaluated.metrics["gate_refused"] == 1.0 and evaluated.metrics["pass_rate_null"] == 0.0
     assert evaluated.metrics["reference_oracle_pass_share"] == 0.0
@@ -81,7 +81,7 @@ def test_a_run_that_learned_nothing_is_refused_and_says_so(project, prefect_serv
     assert evaluated.metrics["reference_dying_unanswered"] == broken["unanswered"]
     assert "the null policy" in evaluated.tags["flywheel.gate_refused"]
     rl_run = parent.data.tags["stage.rl.run_id"]
-    assert client.get_run(rl_run).data.tags["flywheel.rl_no_updates"] == summary["warnings"][0]
+    assert client.get_run(rl_run).data.tags["flywheel.rl_no_updates"] == summary.warnings[0]
     assert [m.value for m in client.get_metric_history(rl_run, "skipped_group_share")] == [1.0, 1.0]
 
     # the printed summary: both columns, the null and reference rows, the refusal, the warning

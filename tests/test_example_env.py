@@ -23,7 +23,7 @@ def test_a_pipeline_on_the_example_env_runs_end_to_end_and_logs_env_counters(pro
     (project / "dvc.yaml").write_text(dvc_yaml(project))
 
     first = retrain(pipeline="small", root=str(project))
-    assert first["ran"] == list(ORDER)
+    assert first.ran == list(ORDER)
     catalog = Catalog(project, "small")
     tasks = catalog.read("tasks")
     assert set(tasks["env"]) == {"shop"} and set(tasks["slice"]) == {"status", "refund"}
@@ -35,4 +35,4 @@ def test_a_pipeline_on_the_example_env_runs_end_to_end_and_logs_env_counters(pro
     assert synthesize.data.metrics["env.tool_calls"] > 0 and synthesize.data.metrics["env.tool_errors"] == 0
     assert "env.tool_calls" in next(r for r in runs if r.info.run_name == "evaluate").data.metrics
 
-    assert retrain(pipeline="small", root=str(project))["ran"] == []  # every stage cached
+    assert retrain(pipeline="small", root=str(project)).ran == []  # every stage cached

@@ -25,8 +25,9 @@ LAYERS = (
     # the base class of the errors a user can fix (the environment contract's errors are such errors)
     ("flywheel.errors",),
     # plain facts that need nothing of the project: the environment contract (Task, Score, Environment, the
-    # prompt hash), the stage names, metric names, the embedded defaults, device settings, the package's version
-    ("flywheel", "flywheel.contract", "flywheel.stages", "flywheel.metrics", "flywheel.settings",
+    # prompt hash), the stage names and what crosses between stages (the gate report, the retrain summary),
+    # metric and tag names, the embedded defaults, device settings, the package's version
+    ("flywheel", "flywheel.contract", "flywheel.stages", "flywheel.metrics", "flywheel.tags", "flywheel.settings",
      "flywheel.devices"),
     # pipelines.yaml as checked models; MLflow's runs and registry; student checkpoints on disk
     ("flywheel.config", "flywheel.registry", "flywheel.checkpoints"),

@@ -440,7 +440,7 @@ def test_sft_rl_and_evaluate_run_on_replay_tasks_with_no_user_code(tmp_path, mlf
         server.replay = TraceReplayer([redactor.value(normalise_messages(r["messages"])) for r in written
                                        if r["messages"][-1]["role"] == "assistant"])
         result = retrain(pipeline="bank", root=str(root))
-    assert result["ran"] == ["collect", "synthesize", "sft", "rl", "evaluate", "register"]
+    assert result.ran == ["collect", "synthesize", "sft", "rl", "evaluate", "register"]
     catalog = Catalog(root, "bank")
     synthetic = catalog.read("synthetic")
     train = catalog.read("tasks").query("split == 'train'")

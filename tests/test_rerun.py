@@ -39,7 +39,7 @@ def test_a_rerun_reproduces_the_recorded_datasets_byte_for_byte(project, prefect
     from flywheel.status import pipeline_status
 
     first = retrain(pipeline="small", root=str(project))
-    recorded = first["run_id"]
+    recorded = first.run_id
     lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
     heldout = len(Catalog(project, "small").read("heldout"))
     # today's project is not the recorded one: new traces at the source, another config
@@ -78,14 +78,14 @@ def test_a_rerun_reproduces_the_recorded_datasets_byte_for_byte(project, prefect
     assert _files(project) == before, "the rerun ran in its own workspace: the project is as it was"
     workspace = project / ".flywheel/reruns" / recorded
     assert yaml.safe_load((workspace / "pipelines.yaml").read_text())["pipelines"]["small"]["sft"]["lr"] == 3.0e-3
-    assert registry.get_alias("small", "champion").version == first["champion"], "a rerun does not promote"
+    assert registry.get_alias("small", "champion").version == first.champion, "a rerun does not promote"
 
     # status from the same store: the rerun first, the champion from the recorded run, its data versions
     state = pipeline_status("small")
     assert [r.run_id for r in state.runs] == [rerun.info.run_id, recorded]
     assert state.runs[0].rerun_of == recorded and state.runs[1].stages["sft"] == "ran"
     champion = next(a for a in state.aliases if a.alias == "champion")
-    assert champion.pipeline_run == recorded and champion.score == round(first["scores"]["score_rl"], 4)
+    assert champion.pipeline_run == recorded and champion.score == round(first.scores["score_rl"], 4)
     versions = state.data_versions().set_index("path")
     assert versions.loc["data/small/collect", f"champion v{champion.version}"] == lock_md5(lock, "data/small/collect")
     shown = CliRunner().invoke(app, ["status", "small", "--root", str(project)])

@@ -30,10 +30,10 @@ def test_retrain_runs_caches_and_reruns_only_what_changed(project, prefect_serve
     from flywheel.data.catalog import Catalog
 
     first = retrain(pipeline="small", root=str(project))
-    assert first["ran"] == list(ORDER)
-    assert first["gate_passed"] and first["version"] == "1"
-    assert "champion" in first["aliases"] and "challenger" in first["aliases"]
-    assert set(first["scores"]) == {"score_null", "score_base", "score_sft", "score_rl"}
+    assert first.ran == list(ORDER)
+    assert first.gate_passed and first.version == "1"
+    assert "champion" in first.aliases and "challenger" in first.aliases
+    assert set(first.scores) == {"score_null", "score_base", "score_sft", "score_rl"}
     assert dvc.status(project) == {}, "dvc status must be clean after a Prefect run"
 
     catalog = Catalog(project, "small")
@@ -57,13 +57,13 @@ def test_retrain_runs_caches_and_reruns_only_what_changed(project, prefect_serve
     assert {"gate.json", "gate_slices.png"} <= evaluated
 
     second = retrain(pipeline="small", root=str(project))
-    assert second["ran"] == [] and second["version"] == "1"
+    assert second.ran == [] and second.version == "1"
 
     # One stage's parameter: that stage and the ones after it run again, the ones before come from the cache.
     _set(project, "pipelines.small.sft.lr", 2.0e-3)
     third = retrain(pipeline="small", root=str(project))
-    assert third["ran"] == ["sft", "rl", "evaluate", "register"]
-    assert third["version"] == "2"
+    assert third.ran == ["sft", "rl", "evaluate", "register"]
+    assert third.version == "2"
     assert registry.get_alias("small", "challenger").version == "2"
     gate = json.loads((project / "data/small/evaluate/gate.json").read_text())
     assert gate["champion_version"] == "1", "the new candidate is judged against the champion"

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import typer
 
+from flywheel.stages import RetrainSummary
+
 
 def fmt(value, pattern: str = "{:.3f}") -> str:
     """A number as text; blank when missing (None or NaN, the one value unequal to itself)."""
@@ -26,7 +28,7 @@ def score_table(title: str, columns: tuple[str, ...], lines: list[tuple[str, ...
     return table
 
 
-def print_summary(summary: dict, root: Path, seconds: float) -> None:
+def print_summary(summary: RetrainSummary, root: Path, seconds: float) -> None:
     """A retrain run's end: the held-out table with the null row, the gate and why, what was registered, where
     to look."""
     from rich.console import Console
@@ -34,34 +36,34 @@ def print_summary(summary: dict, root: Path, seconds: float) -> None:
     from flywheel.evaluate.report import reference_line
 
     console = Console()
-    scores, passes = summary["scores"], summary.get("pass_rates", {})
+    scores, passes, references = summary.scores, summary.pass_rates, summary.references
     names = {"null": "null (empty answer)", "rl": "rl (candidate)", "champion": "champion before this run"}
-    names |= {name: f"{name} (reference)" for name in summary.get("references", {})}
+    names |= {name: f"{name} (reference)" for name in references}
     lines = []
-    for label in ("null", "base", "sft", "rl", "champion", *summary.get("references", {})):
-        if f"score_{label}" in scores or label in summary.get("references", {}):
-            ref = summary.get("references", {}).get(label) or {}
+    for label in ("null", "base", "sft", "rl", "champion", *references):
+        if f"score_{label}" in scores or label in references:
+            ref = references.get(label) or {}
             note = f"incomplete: {ref['unanswered']} task(s) unanswered" if ref.get("incomplete") else ""
             lines.append((names.get(label, label), fmt(scores.get(f"score_{label}")),
                           fmt(passes.get(f"pass_rate_{label}")), note))
-    console.print(score_table(f"pipeline '{summary['pipeline']}': held-out (greedy)",
+    console.print(score_table(f"pipeline '{summary.pipeline}': held-out (greedy)",
                               ("model", "mean reward", "pass rate", "note"), lines))
-    verdict = ("[green]passed[/]" if summary["gate_passed"] else
-               "[red]refused: the eval cannot measure this candidate[/]" if summary.get("refused")
+    verdict = ("[green]passed[/]" if summary.gate_passed else
+               "[red]refused: the eval cannot measure this candidate[/]" if summary.refused
                else "[red]not promoted[/]")
     console.print(f"gate: {verdict}")
-    for reason in summary["gate_reasons"]:
+    for reason in summary.gate_reasons:
         console.print(f"  - {reason}")
-    for name, ref in summary.get("references", {}).items():
+    for name, ref in references.items():
         console.print(reference_line(name, ref))
-    for warning in summary.get("warnings", []):
+    for warning in summary.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
-    if summary.get("student"):  # older summaries lack it
-        console.print(f"student: {summary['student']}")
-    champion = f"champion is version {summary['champion']}" if summary["champion"] else "no champion yet"
-    console.print(f"registered: {summary['pipeline']} version {summary['version']} "
-                  f"(aliases: {', '.join(summary['aliases']) or 'none'}); {champion}")
-    console.print(f"stages run: {', '.join(summary['ran']) or 'none'}; cached: {', '.join(summary['cached']) or 'none'}"
+    if summary.student:
+        console.print(f"student: {summary.student}")
+    champion = f"champion is version {summary.champion}" if summary.champion else "no champion yet"
+    console.print(f"registered: {summary.pipeline} version {summary.version} "
+                  f"(aliases: {', '.join(summary.aliases) or 'none'}); {champion}")
+    console.print(f"stages run: {', '.join(summary.ran) or 'none'}; cached: {', '.join(summary.cached) or 'none'}"
                   f"; {seconds:.0f}s")
     state = root / ".flywheel"
     console.print("\nlook at it:")

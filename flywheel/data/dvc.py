@@ -11,12 +11,15 @@ from pathlib import Path
 
 import yaml
 
+from flywheel.errors import UserFacingError
+from flywheel.tags import dvc_tag
+
 LOCK_FILE = "dvc.lock"  # in the project root: every stage's deps, params and outs with their md5, as DVC keeps them
 # DVC holds one lock per repo and a second process fails after ~3 s: serialise our own calls, retry theirs.
 _LOCK = threading.Lock()
 
 
-class DvcError(RuntimeError):
+class DvcError(UserFacingError, RuntimeError):
     """A DVC command failed; the message carries the command and DVC's own words."""
 
 
@@ -131,4 +134,4 @@ def lineage_tags(root: Path, pipeline: str, stages: list[str] | tuple[str, ...])
     hashes = {}
     for name in stages:
         hashes |= lock_hashes(root, name, pipeline)
-    return {f"flywheel.dvc.{path}": md5 for path, md5 in sorted(hashes.items()) if md5}
+    return {dvc_tag(path): md5 for path, md5 in sorted(hashes.items()) if md5}

@@ -24,6 +24,7 @@ from flywheel.evaluate.arms import SpecError, null_arm, score_arm, spec_arm
 from flywheel.evaluate.report import model_scores
 from flywheel.evaluate.runner import NoHeldoutError, require_heldout
 from flywheel.metrics import pass_rate_name, score_name
+from flywheel.tags import policy_tag
 
 
 @dataclass
@@ -63,7 +64,7 @@ def evaluate_policies(pipeline: str, root: Path, cfg: PipelineConfig, specs: lis
     harness = load_harness(cfg.environment, root, pipeline)
     samples = cfg.evaluate.samples if samples is None else samples
     described = {arm.label: arm.describe for arm in arms}
-    run = registry.start_run(root, pipeline, "eval", tags={f"flywheel.policy.{k}": v for k, v in described.items()})
+    run = registry.start_run(root, pipeline, "eval", tags={policy_tag(k): v for k, v in described.items()})
     try:
         run.params({"policies": " ".join(specs), "heldout_tasks": len(heldout), "samples": samples})
         scored = {arm.label: score_arm(arm, harness, heldout, samples=samples, temperature=cfg.evaluate.temperature,

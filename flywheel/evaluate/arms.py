@@ -16,11 +16,12 @@ from flywheel import registry
 from flywheel.agent import Harness
 from flywheel.config import ReferenceConfig
 from flywheel.contract import Task
+from flywheel.errors import UserFacingError
 from flywheel.evaluate.runner import Scored, evaluate_policy
 from flywheel.policies import Policy, get_policy
 
 
-class SpecError(ValueError):
+class SpecError(UserFacingError, ValueError):
     """A `--policy` spec that names nothing usable; the message says which forms exist."""
 
 

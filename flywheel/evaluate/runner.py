@@ -9,14 +9,15 @@ from pathlib import Path
 
 from flywheel.agent import Episode, Harness
 from flywheel.contract import Task, conversation_hash, prompt_hash
+from flywheel.errors import UserFacingError
 from flywheel.policies.base import Policy, Sampling
 
 
-class ContaminationError(RuntimeError):
+class ContaminationError(UserFacingError, RuntimeError):
     """Held-out prompts appear in training data: the eval would flatter the model, so it refuses to run."""
 
 
-class NoHeldoutError(ValueError):
+class NoHeldoutError(UserFacingError, ValueError):
     """A pipeline whose tasks hold none in the held-out split: there is nothing to evaluate on."""
 
 

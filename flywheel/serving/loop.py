@@ -19,12 +19,16 @@ from typing import TYPE_CHECKING
 from flywheel import registry
 from flywheel.config import PipelineConfig
 from flywheel.contract import Environment, Task
+from flywheel.errors import UserFacingError
+from flywheel.metrics import score_name
+from flywheel.stages import RetrainSummary
+from flywheel.tags import stage_run_tag, stage_state_tag
 
 if TYPE_CHECKING:
     from flywheel.agent import Harness
 
 
-class LoopError(RuntimeError):
+class LoopError(UserFacingError, RuntimeError):
     """The loop cannot close: served traffic would not come back to collect, or nothing is served."""
 
 
@@ -59,7 +63,7 @@ def check_sources(pipeline: str, cfg: PipelineConfig, root: Path, folder: Path) 
                     f"the served traffic would never be collected; add \"{where}/*.jsonl\" to the sources")
 
 
-def run_round(pipeline: str, root: Path, folder: Path, summary: dict, number: int, episodes: int,
+def run_round(pipeline: str, root: Path, folder: Path, summary: RetrainSummary, number: int, episodes: int,
               seed: int | None = None) -> Round:
     """Serve the champion the retrain left, run `episodes` agent episodes against it, label them; the Round."""
     import httpx
@@ -83,10 +87,10 @@ def run_round(pipeline: str, root: Path, folder: Path, summary: dict, number: in
                     http.post("/feedback", json={"id": answer_id, "score": episode.reward,
                                                  "outcome": "accepted" if episode.passed else "rejected"})
         answers = server.traffic.recorded
-    scores = summary["scores"]
+    scores = summary.scores
     # the champion was evaluated as "champion" unless it is this run's candidate (promoted, or the same model)
-    champion_is_candidate = summary.get("champion") == summary.get("version") or "score_champion" not in scores
-    score = scores["score_rl"] if champion_is_candidate else scores["score_champion"]
+    champion_is_candidate = summary.champion == summary.version or score_name("champion") not in scores
+    score = scores[score_name("rl")] if champion_is_candidate else scores[score_name("champion")]
     return Round(number=number, version=version, collected_new=_collected_new(summary), heldout_reward=float(score),
                  answers=answers, episodes=len(done), passed=sum(e.passed for e in done))
 
@@ -130,10 +134,10 @@ def _final_answers(folder: Path, count: int) -> dict[str, list[str]]:
     return found
 
 
-def _collected_new(summary: dict) -> int:
+def _collected_new(summary: RetrainSummary) -> int:
     """traces_new of the collect stage the retrain ran (0 when it came from the cache)."""
     c = registry.client()
-    collect_run = c.get_run(summary["run_id"]).data.tags.get("stage.collect.run_id")
-    if not collect_run or c.get_run(summary["run_id"]).data.tags.get("stage.collect") != "ran":
+    collect_run = c.get_run(summary.run_id).data.tags.get(stage_run_tag("collect"))
+    if not collect_run or c.get_run(summary.run_id).data.tags.get(stage_state_tag("collect")) != "ran":
         return 0
     return int(c.get_run(collect_run).data.metrics.get("traces_new", 0))

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from flywheel.config import OPDConfig
+from flywheel.errors import UserFacingError
 
 
-class NonFiniteTeacher(RuntimeError):
+class NonFiniteTeacher(UserFacingError, RuntimeError):
     """Too many of the teacher's log-probabilities were NaN or infinite (past rl.opd.max_nonfinite_fraction)."""
 
 
