@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"  # what config.py accepts for every device setting
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"  # what flywheel.config accepts for every device setting
 
 
 def resolve_device(setting: str, what: str = "device") -> str:

@@ -158,12 +158,21 @@ def test_a_key_pasted_into_any_endpoint_section_is_named_but_never_echoed(tmp_pa
     elif section == "reference":
         demo["evaluate"]["references"] = [{"name": "ref", **endpoint}]
     else:
-        demo["rl"]["opd"] = {"teacher": "m", "base_url": "http://localhost:8000/v1", "api_key_env": PASTED}
+        demo["rl"] |= {"objective": "opd", "opd": {"teacher": "m", "base_url": "http://localhost:8000/v1",
+                                                  "api_key_env": PASTED}}
     with pytest.raises(ConfigError) as err:
         load_pipelines(_write(tmp_path, data))
     message = str(err.value)
     assert f"pipelines.demo.{key}" in message and "never the key itself" in message
     assert PASTED not in message and "Pasted0Key" not in message
+
+
+def test_rl_opd_beside_the_reward_objective_is_an_error_not_a_section_nobody_reads(tmp_path):
+    data = _demo()
+    data["pipelines"]["demo"]["rl"] |= {"objective": "reward", "opd": {"teacher": "models/t"}}
+    with pytest.raises(ConfigError, match=r"pipelines\.demo\.rl: rl\.opd is set, but objective 'reward' has no "
+                                          r"teacher"):
+        load_pipelines(_write(tmp_path, data))
 
 
 def test_a_bad_rl_opd_value_is_named_where_it_is_written(tmp_path):

@@ -76,7 +76,8 @@ def _exception_classes() -> dict[str, type]:
 
 def test_every_exception_is_a_user_facing_error_or_caught_inside():
     classes = _exception_classes()
-    assert {"flywheel.config.ConfigError", "flows.runlock.PipelineBusy", "tasks.rl.NoUpdatesError"} <= set(classes)
+    assert {"flywheel.config.sections.ConfigError", "flows.runlock.PipelineBusy", "tasks.rl.NoUpdatesError"} <= \
+        set(classes)
     assert set(INTERNAL) <= set(classes), "an INTERNAL name no longer exists"
     neither = sorted(name for name, cls in classes.items()
                      if name not in INTERNAL and name != "flywheel.errors.UserFacingError"

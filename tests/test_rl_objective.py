@@ -1,5 +1,5 @@
-"""rl.objective: the config's variants (flywheel/config.py), written as before, and the one class chosen for each
-(flywheel/train/rl/objective.py)."""
+"""rl.objective: the config's variants (flywheel/config/training.py), written as before, and the one class chosen
+for each (flywheel/train/rl/objective.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ def test_the_objective_is_written_as_before_and_read_as_one_variant():
     assert dumped["objective"] == "reward+opd" and keys[keys.index("objective") + 1] == "opd"
     assert dumped["opd"]["teacher"] == "models/t"
     assert RLConfig.model_validate(dumped) == cfg == RLConfig.model_validate_json(cfg.model_dump_json())
-    # `grpo` names the reward objective; an rl.opd beside `reward` was never read, and is not kept
-    assert RLConfig(objective="grpo") == RLConfig() == RLConfig(objective="reward", opd=OPD)
+    # `grpo` names the reward objective; an rl.opd beside `reward` would never be read: an error, as an unknown key
+    assert RLConfig(objective="grpo") == RLConfig() == RLConfig(objective="reward", opd=None)
+    with pytest.raises(ValidationError, match="rl.opd is set, but objective 'reward' has no teacher"):
+        RLConfig(objective="reward", opd=OPD)
     assert isinstance(RLConfig().objective, RewardObjective)
     assert {k: RLConfig().model_dump()[k] for k in ("objective", "opd")} == {"objective": "reward", "opd": None}
 
