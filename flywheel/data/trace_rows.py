@@ -14,10 +14,10 @@ import orjson
 from flywheel.config import CollectConfig, SourceConfig
 from flywheel.contract import conversation_hash, split_of
 from flywheel.data.redaction import Redactor
-from flywheel.data.shapes import _MISSING, BadRecord, PartialTurn, extract, get_path
+from flywheel.data.shapes import _MISSING, BadRecord, extract, get_path
 
-__all__ = ["JSON_SORTED", "BadRecord", "PartialTurn", "normalise_messages", "redact_location", "to_trace",
-           "to_trace_parts", "unknown_actions"]
+__all__ = ["JSON_SORTED", "BadRecord", "normalise_messages", "redact_location", "to_trace", "to_trace_parts",
+           "unknown_actions"]
 
 ROLES = {"system", "user", "assistant", "tool"}
 _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
