@@ -149,7 +149,7 @@ def main() -> None:
     print(f"MLflow store created in {store_s:.2f}s (not part of the stage's time)", flush=True)
 
     from flywheel.config import CollectConfig
-    from flywheel.data.trace_rows import workers
+    from flywheel.data.collection import workers
 
     processes = workers(CollectConfig(workers=args.workers))
     started, cpu = time.perf_counter(), cpu_s()

@@ -10,14 +10,14 @@ import pandas as pd
 
 from flywheel.config import PipelineConfig
 from flywheel.data import tasksets, tracetable, watermarks
+from flywheel.data.collection import collect as collect_traces
+from flywheel.data.collection import gc_paused, system_allocator, table_rows
 from flywheel.data.lineage import dvc_md5, log_dataset
 from flywheel.data.redaction import Redactor
 from flywheel.data.schemas import Quarantine
 from flywheel.data.shapes import SourceError
 from flywheel.data.sources import FileReader, readers, remote_fingerprint
 from flywheel.data.tasksets import made_tasks, task_table
-from flywheel.data.trace_rows import collect as collect_traces
-from flywheel.data.trace_rows import gc_paused, system_allocator, table_rows
 from flywheel.envs import environment_sources
 from flywheel.errors import UserFacingError
 from flywheel.stages import StageResult

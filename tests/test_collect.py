@@ -13,9 +13,9 @@ import yaml
 from flywheel.config import CollectConfig, ConfigError, load_pipeline
 from flywheel.contract import prompt_hash, split_of
 from flywheel.data.catalog import Catalog, DataError
+from flywheel.data.collection import collect
 from flywheel.data.redaction import Redactor
 from flywheel.data.sources import readers
-from flywheel.data.trace_rows import collect
 
 REPO = Path(__file__).resolve().parent.parent
 CALL = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}

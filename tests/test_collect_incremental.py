@@ -14,10 +14,10 @@ import pytest
 from flywheel.config import CollectConfig
 from flywheel.data import sources, watermarks
 from flywheel.data.catalog import Catalog
+from flywheel.data.collection import collect
 from flywheel.data.lineage import dvc_md5
 from flywheel.data.redaction import Redactor
 from flywheel.data.sources import FileReader
-from flywheel.data.trace_rows import collect
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -176,7 +176,7 @@ def test_worker_processes_write_the_tables_one_process_writes(tmp_path, mlflow_s
     bytes, metrics and quarantine, with bad lines, personal data and duplicates among them."""
     import yaml
 
-    from flywheel.data import trace_rows
+    from flywheel.data import collection
     from tasks.collect import collect as stage
 
     shutil.copytree(REPO / "examples", tmp_path / "examples")
@@ -187,16 +187,16 @@ def test_worker_processes_write_the_tables_one_process_writes(tmp_path, mlflow_s
         {"role": "user", "content": f"What is {n} * 3? Mail me at user{n}@example.com"},
         {"role": "assistant", "content": f"{3 * n}"}]}) for n in range(60)]
     _append(log, extra + ["{bad", extra[0], "[1]"])
-    monkeypatch.setattr(trace_rows, "BATCH", 7)
+    monkeypatch.setattr(collection, "BATCH", 7)
     monkeypatch.setattr(sources, "BLOCK_BYTES", 2_000)  # JSON Lines: a few records a block
-    process, pids = trace_rows._process, tmp_path / "pids"
+    process, pids = collection._process, tmp_path / "pids"
 
     def noted(*args):  # which process did each batch (a file: the workers are other processes)
         with pids.open("a") as handle:
             handle.write(f"{os.getpid()}\n")
         return process(*args)
 
-    monkeypatch.setattr(trace_rows, "_process", noted)
+    monkeypatch.setattr(collection, "_process", noted)
     results, used = {}, {}
     for workers in (1, 2):
         pids.write_text("")
@@ -228,11 +228,11 @@ def test_worker_processes_write_the_tables_one_process_writes(tmp_path, mlflow_s
 def test_a_worker_that_dies_fails_the_collect_with_what_to_do(tmp_path, monkeypatch):
     import pytest
 
-    from flywheel.data import trace_rows
+    from flywheel.data import collection
 
     _append(tmp_path / "b.jsonl", [_record(n) for n in range(30)])
     cfg = CollectConfig(sources=["*.jsonl"], workers=2)
-    parent, process = os.getpid(), trace_rows._process
+    parent, process = os.getpid(), collection._process
 
     def dies(*args):  # a worker killed mid-batch (the OOM killer, say)
         if os.getpid() != parent:
@@ -240,7 +240,7 @@ def test_a_worker_that_dies_fails_the_collect_with_what_to_do(tmp_path, monkeypa
         return process(*args)
 
     monkeypatch.setattr(sources, "BLOCK_BYTES", 1_000)
-    monkeypatch.setattr(trace_rows, "_process", dies)
+    monkeypatch.setattr(collection, "_process", dies)
     with pytest.raises(RuntimeError, match="ended abruptly .* `collect.workers: 1`"):
         collect([FileReader(cfg.sources[0], tmp_path, cfg.max_record_bytes)], cfg, Redactor(cfg.redact))
     one = CollectConfig(sources=["*.jsonl"], workers=1)
@@ -286,11 +286,11 @@ def test_the_tasks_table_takes_the_tasks_collect_made_and_makes_the_rest(tmp_pat
 def test_bad_records_of_every_format_cross_to_the_worker_processes(tmp_path, monkeypatch):
     """A .json file's element that is no object comes to a worker as a BadRecord (pickled), and is quarantined
     with its kind and reason, as in one process."""
-    from flywheel.data import trace_rows
+    from flywheel.data import collection
 
     (tmp_path / "a.json").write_text(json.dumps([json.loads(_record(1)), 5, json.loads(_record(2))]))
     _append(tmp_path / "b.jsonl", [_record(n) for n in range(3, 9)])
-    monkeypatch.setattr(trace_rows, "BATCH", 1)
+    monkeypatch.setattr(collection, "BATCH", 1)
     found = {}
     for workers in (1, 2):
         cfg = CollectConfig(sources=["*.json*"], workers=workers)
@@ -303,7 +303,7 @@ def test_bad_records_of_every_format_cross_to_the_worker_processes(tmp_path, mon
 
 
 def test_the_stage_allocates_arrow_from_the_system_allocator_and_puts_the_default_back():
-    from flywheel.data.trace_rows import system_allocator
+    from flywheel.data.collection import system_allocator
 
     before = pa.default_memory_pool().backend_name
     with system_allocator():

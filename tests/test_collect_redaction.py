@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from flywheel.config import CollectConfig, RedactionConfig
+from flywheel.data.collection import collect
 from flywheel.data.redaction import Redactor
 from flywheel.data.sources import readers
-from flywheel.data.trace_rows import collect
 
 GITHUB = "ghp_" + "A1b2C3d4" * 5
 

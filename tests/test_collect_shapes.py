@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 
 from flywheel.config import CollectConfig, ConfigError, load_pipelines
+from flywheel.data.collection import collect
 from flywheel.data.redaction import Redactor
 from flywheel.data.shapes import BadRecord, PartialTurn, extract, get_path, timestamp
 from flywheel.data.sources import readers
-from flywheel.data.trace_rows import collect
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "6*7"}'}}
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 
 from flywheel.config import CollectConfig
+from flywheel.data.collection import collect
 from flywheel.data.redaction import Redactor
 from flywheel.data.sources import S3Reader, SourceError, readers
-from flywheel.data.trace_rows import collect
 from flywheel.envs.calculator import CalculatorEnv
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "6*7"}'}}

@@ -8,9 +8,9 @@ import pytest
 
 from flywheel.config import CollectConfig
 from flywheel.contract import Task, prompt_hash
+from flywheel.data.collection import collect
 from flywheel.data.redaction import Redactor
 from flywheel.data.sources import readers
-from flywheel.data.trace_rows import collect
 from flywheel.evaluate.runner import ContaminationError, check_contamination
 
 OPENINGS = ["Hi, I need to move money.", "Hello! Can you help me with a transfer?", "Good morning, a transfer please.",

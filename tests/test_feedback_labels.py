@@ -11,10 +11,10 @@ import time
 import pytest
 
 from flywheel.config import CollectConfig
+from flywheel.data.collection import collect
 from flywheel.data.redaction import Redactor
 from flywheel.data.shapes import PartialTurn, extract
 from flywheel.data.sources import readers
-from flywheel.data.trace_rows import collect
 from flywheel.policies.openai import completion_from_record
 from flywheel.serving.traffic import TrafficLog
 

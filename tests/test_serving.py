@@ -196,9 +196,9 @@ def test_no_version_behind_the_alias_refuses_to_start(uri):
 def test_served_traffic_is_collected_with_its_version_and_labels(server, tmp_path):
     from flywheel.agent import Harness, Limits
     from flywheel.config import CollectConfig
+    from flywheel.data.collection import collect
     from flywheel.data.redaction import Redactor
     from flywheel.data.sources import readers
-    from flywheel.data.trace_rows import collect
     from flywheel.policies.base import Sampling
     from flywheel.policies.openai import OpenAIPolicy
 

@@ -21,8 +21,8 @@ from flywheel.settings import state_dir
 
 # The modules that decide what a row looks like and how the table is merged and written: a change to any of
 # them re-collects everything.
-_RECIPE_CODE = ("trace_rows.py", "shapes.py", "sources.py", "mlflow_traces.py", "redaction.py", "schemas.py",
-                "tracetable.py")
+_RECIPE_CODE = ("collection.py", "trace_rows.py", "shapes.py", "sources.py", "mlflow_traces.py", "redaction.py",
+                "schemas.py", "tracetable.py")
 
 
 def state_path(root: Path, pipeline: str) -> Path:

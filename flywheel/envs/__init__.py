@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from flywheel.contract import Environment, RubricError, Score, Task, ToolError
-from flywheel.envs.sdk import FILES_READ, PROJECT_ROOT
+from flywheel.envs.task_files import FILES_READ, PROJECT_ROOT
 from flywheel.errors import UserFacingError
 
 __all__ = ["Environment", "Score", "Task", "ToolError", "RubricError", "EnvironmentLoadError", "get_environment",
@@ -24,7 +24,7 @@ __all__ = ["Environment", "Score", "Task", "ToolError", "RubricError", "Environm
 
 ENTRY_POINT_GROUP = "flywheel.environments"
 # modules of this package that are parts of environments, not environments
-_PARTS = {"sdk", "judge", "mcp", "verifiers", "users"}
+_PARTS = {"sdk", "tool_schemas", "task_files", "judge", "mcp", "verifiers", "users"}
 _BUILTIN_FOLDER = Path(__file__).resolve().parent
 # (factory, args, root) -> the task files its factory read when it was last built in this process
 _FILES_READ: dict[tuple, list[Path]] = {}

@@ -14,10 +14,11 @@
                    rewards=[Reward(correct_state, weight=0.7), Reward(answer_has_facts, weight=0.3)],
                    setup=Db.fresh, teardown=Db.close)
 
-Tool schemas are generated from each function's signature and docstring, never written by hand. A parameter
-named `state` receives the episode's state (what `setup(task)` returned) and is not part of the schema. Tools
-run in the harness's tool threads, one call at a time per episode: a state that holds a SQLite connection
-opens it with `check_same_thread=False`. Async tools run on one event loop the environment owns.
+Tool schemas are generated from each function's signature and docstring (tool_schemas.py), never written by
+hand; task files are read and checked row by row (task_files.py). A parameter named `state` receives the
+episode's state (what `setup(task)` returned) and is not part of the schema. Tools run in the harness's tool
+threads, one call at a time per episode: a state that holds a SQLite connection opens it with
+`check_same_thread=False`. Async tools run on one event loop the environment owns.
 
 A conversation goes on after the agent's answer when the environment has a user (`user=`): a function
 `user(task, messages)` or `user(task, messages, state)` that returns the user's next text (or a message), or None,
@@ -38,19 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import inspect
 import json
 import math
-import random
-import re
 import threading
-import types
-import typing
 from collections.abc import Callable, Iterable, Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass
-from pathlib import Path
 
 from flywheel.contract import (
     STOP,
@@ -64,22 +58,13 @@ from flywheel.contract import (
     prompt_excerpt,
     prompt_hash,
 )
-from flywheel.errors import UserFacingError
+from flywheel.envs.task_files import TaskFile, tasks_from_file
+from flywheel.envs.tool_schemas import SchemaError, Tool, check_arguments, tool_schema
 
 __all__ = ["Env", "Reward", "Score", "Task", "ToolError", "SchemaError", "RubricError", "UserError", "STOP",
            "tasks_from_file", "tool_schema", "TaskFile"]
 
-# Set while flywheel.envs resolves a factory: relative task files are read from the project root.
-PROJECT_ROOT: ContextVar[Path | None] = ContextVar("flywheel_project_root", default=None)
-# Set while flywheel.envs resolves a factory: every task file read is listed here, for the environment's identity
-# (flywheel.envs.environment_sources: a task file outside the factory's folder is one of its files too)
-FILES_READ: ContextVar[list[Path] | None] = ContextVar("flywheel_files_read", default=None)
-
 COUNTERS = ("tool_calls", "tool_errors", "tool_refusals", "tool_bad_returns", "tool_timeouts", "bad_calls")
-
-
-class SchemaError(UserFacingError, TypeError):
-    """A tool's schema cannot be derived from its signature (an untyped parameter, an unsupported type)."""
 
 
 @dataclass(frozen=True)
@@ -95,241 +80,6 @@ class Reward:
         """The breakdown key: `name`, else the function's name."""
         return self.name or getattr(self.fn, "__name__", type(self.fn).__name__)
 
-
-# --- schemas from signatures --------------------------------------------------------------------------------
-
-_SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
-
-
-def _json_schema(annotation, where: str) -> dict:
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if annotation in _SIMPLE:
-        return {"type": _SIMPLE[annotation]}
-    if origin in (typing.Union, types.UnionType):
-        present = [a for a in args if a is not type(None)]
-        if len(present) != 1:
-            raise SchemaError(f"{where}: a union of several types ({annotation}) has no tool schema; use one type "
-                              "or Optional[X]")
-        inner = _json_schema(present[0], where)
-        return {**inner, "type": [inner["type"], "null"]} if isinstance(inner.get("type"), str) else inner
-    if origin is typing.Literal:
-        kinds = {type(a) for a in args}
-        if len(kinds) != 1 or next(iter(kinds)) not in (str, int, float, bool):
-            raise SchemaError(f"{where}: Literal{list(args)} must list values of one type (str, int, float, bool)")
-        return {"type": _SIMPLE[next(iter(kinds))], "enum": list(args)}
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        values = [m.value for m in annotation]
-        return {**_json_schema(type(values[0]), where), "enum": values}
-    if origin is list:
-        return {"type": "array", "items": _json_schema(args[0], where)} if args else {"type": "array"}
-    if origin is dict:
-        return {"type": "object"}
-    raise SchemaError(f"{where}: type {annotation!r} has no tool schema (use str, int, float, bool, list[X], dict, "
-                      "Literal[...], an Enum or Optional[X])")
-
-
-def _docstring(fn: Callable) -> tuple[str, dict[str, str]]:
-    """The first line, and Google-style `Args:` descriptions by parameter name."""
-    doc = inspect.getdoc(fn) or ""
-    lines = doc.splitlines()
-    described: dict[str, str] = {}
-    in_args, current, indent = False, None, None
-    for line in lines[1:]:
-        if re.fullmatch(r"(Args|Arguments|Parameters):\s*", line):
-            in_args, current, indent = True, None, None
-            continue
-        if not in_args or not line.strip():
-            continue
-        depth = len(line) - len(line.lstrip())
-        if depth == 0:  # the next section (Returns:, Raises:, ...)
-            in_args = False
-            continue
-        match = re.match(r"\s+(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)", line)
-        if match and (indent is None or depth <= indent):
-            current, indent = match.group(1), depth
-            described[current] = match.group(2).strip()
-        elif current:  # a description continued on the next line
-            described[current] = (described[current] + " " + line.strip()).strip()
-    return (lines[0].strip() if lines else ""), described
-
-
-def tool_schema(fn: Callable) -> dict:
-    """The OpenAI function schema of a typed Python function (its `state` parameter left out)."""
-    name = fn.__name__
-    try:
-        hints = typing.get_type_hints(fn)
-    except Exception as err:  # an annotation naming something undefined
-        raise SchemaError(f"tool '{name}': its type hints cannot be read: {err}") from None
-    description, described = _docstring(fn)
-    properties, required = {}, []
-    for param in inspect.signature(fn).parameters.values():
-        if param.name == "state":
-            continue
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            raise SchemaError(f"tool '{name}': parameter '{param.name}' is *args/**kwargs; a tool takes named, "
-                              "typed parameters")
-        if param.name not in hints:
-            raise SchemaError(f"tool '{name}': parameter '{param.name}' has no type hint; the schema is derived "
-                              f"from type hints (e.g. `{param.name}: str`)")
-        prop = _json_schema(hints[param.name], f"tool '{name}', parameter '{param.name}'")
-        if param.name in described:
-            prop["description"] = described[param.name]
-        properties[param.name] = prop
-        if param.default is inspect.Parameter.empty:
-            required.append(param.name)
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": required}}}
-
-
-_ARTICLE = {"string": "a string", "integer": "an integer", "number": "a number", "boolean": "a boolean",
-            "array": "a list", "object": "an object", "null": "null"}
-
-
-def _fits(value, schema: dict) -> bool:
-    kinds = schema.get("type")
-    kinds = [kinds] if isinstance(kinds, str) else kinds or []
-    if "enum" in schema and value not in schema["enum"] and value is not None:
-        return False
-    if not kinds:
-        return True
-    for kind in kinds:
-        if kind == "null" and value is None:
-            return True
-        if kind == "string" and isinstance(value, str):
-            return True
-        if kind == "integer" and isinstance(value, int) and not isinstance(value, bool):
-            return True
-        if kind == "number" and isinstance(value, int | float) and not isinstance(value, bool):
-            return True
-        if kind == "boolean" and isinstance(value, bool):
-            return True
-        if kind == "object" and isinstance(value, dict):
-            return True
-        if kind == "array" and isinstance(value, list):
-            items = schema.get("items")
-            return not items or all(_fits(v, items) for v in value)
-    return False
-
-
-def _describe(schema: dict) -> str:
-    kinds = schema.get("type")
-    kinds = [kinds] if isinstance(kinds, str) else kinds or ["any"]
-    text = " or ".join(_ARTICLE.get(k, k) for k in kinds if k != "null")
-    if "enum" in schema:
-        text += " (one of " + ", ".join(json.dumps(v) for v in schema["enum"]) + ")"
-    return text
-
-
-def check_arguments(schema: dict, arguments: dict) -> None:
-    """Raise a ToolError the model can act on when `arguments` do not fit the function schema."""
-    name = schema["function"]["name"]
-    parameters = schema["function"].get("parameters") or {}
-    properties = parameters.get("properties") or {}
-    for key in parameters.get("required") or []:
-        if key not in arguments:
-            raise ToolError(f"{name} needs {_describe(properties.get(key, {}))} argument '{key}'")
-    for key, value in arguments.items():
-        if key not in properties:
-            if parameters.get("additionalProperties", False) is False:
-                raise ToolError(f"{name} has no argument '{key}' (arguments: {', '.join(properties) or 'none'})")
-            continue
-        if not _fits(value, properties[key]):
-            raise ToolError(f"{name} needs {_describe(properties[key])} argument '{key}', "
-                            f"not {json.dumps(value)[:60]}")
-
-
-@dataclass
-class _Tool:
-    fn: Callable
-    schema: dict
-    wants_state: bool
-    enums: dict[str, type]  # parameter -> its Enum class: the model's value becomes the member
-
-    @classmethod
-    def of(cls, fn: Callable) -> _Tool:
-        hints = typing.get_type_hints(fn) if not isinstance(fn, _Tool) else {}
-        parameters = inspect.signature(fn).parameters
-        enums = {p: h for p, h in hints.items()
-                 if p in parameters and isinstance(h, type) and issubclass(h, enum.Enum)}
-        return cls(fn, tool_schema(fn), "state" in parameters, enums)
-
-
-# --- tasks -----------------------------------------------------------------------------------------------------
-
-class TaskFile:
-    """Tasks read from a JSONL or Parquet file; called with a seed, yields them once in a seeded order."""
-
-    def __init__(self, path: str | Path):
-        path = Path(path)
-        root = PROJECT_ROOT.get()
-        if not path.is_absolute() and root is not None and not path.exists():
-            path = root / path
-        self.path = path
-        self.root = root  # the project root it was read under: messages name the file from there
-        self.tasks, self.rows = _read_tasks(path)  # rows: task id -> its row number in the file (from 1)
-        listed = FILES_READ.get()
-        if listed is not None:
-            listed.append(path.resolve())
-
-    def __call__(self, seed: int) -> Iterator[Task]:
-        order = list(range(len(self.tasks)))
-        random.Random(seed).shuffle(order)
-        return (self.tasks[i] for i in order)
-
-
-def tasks_from_file(path: str | Path) -> TaskFile:
-    """Tasks from a JSONL or Parquet file with `prompt` (text or messages), `answer` (any JSON), optional `slice`,
-    `id` and `split` ("train" or "heldout": the row chooses; without it collect splits the task by a hash of its
-    prompt); a relative path is read from the current folder, else from the project root."""
-    return TaskFile(path)
-
-
-def _read_tasks(path: Path) -> tuple[list[Task], dict[str, int]]:
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: task file not found")
-    if path.suffix == ".parquet":
-        import pandas as pd
-
-        frame = pd.read_parquet(path).astype(object)
-        records = frame.where(frame.notna(), None).to_dict("records")  # a missing slice or id is None, not NaN
-    else:
-        records = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{number}: not valid JSON: {err}") from None
-    tasks, seen = [], {}
-    for number, record in enumerate(records, 1):
-        where = f"{path}: row {number}" + (f" (id {record['id']})" if record.get("id") is not None else "")
-        if not isinstance(record, dict) or "prompt" not in record or "answer" not in record:
-            raise ValueError(f"{where}: a task needs 'prompt' and 'answer'")
-        prompt = record["prompt"]
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        elif hasattr(prompt, "tolist"):  # Parquet gives arrays
-            prompt = [dict(m) for m in prompt.tolist()]
-        if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt)):
-            raise ValueError(f"{where}: 'prompt' must be a string or a list of messages with a 'role'")
-        answer = record["answer"]
-        if isinstance(answer, str) and path.suffix == ".parquet":
-            answer = json.loads(answer)  # Parquet holds nested answers as JSON text
-        split = record.get("split") or ""
-        if split not in ("", "train", "heldout"):
-            raise ValueError(f"{where}: split {split!r} is neither 'train' nor 'heldout' (leave it out to let "
-                             "collect split the task by a hash of its prompt)")
-        task_id = prompt_hash(prompt)
-        if task_id in seen:
-            raise ValueError(f"{where}: the same prompt as row {seen[task_id]}: a prompt is a task's identity")
-        seen[task_id] = number
-        tasks.append(Task(task_id=task_id, env="", prompt=prompt, answer=json.dumps(answer, ensure_ascii=False),
-                          slice=str(record.get("slice") or "all"), split=split))
-    return tasks, seen
-
-
-# --- the environment -------------------------------------------------------------------------------------------
 
 def _arity(fn: Callable) -> int:
     try:
@@ -355,7 +105,7 @@ class Env(Environment):
         self.name = name
         self._tools = {}
         for fn in tools:
-            tool = _Tool.of(fn)
+            tool = Tool.of(fn)
             if tool.schema["function"]["name"] in self._tools:
                 raise SchemaError(f"environment '{name}': two tools named '{tool.schema['function']['name']}'")
             self._tools[tool.schema["function"]["name"]] = tool

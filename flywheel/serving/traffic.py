@@ -12,7 +12,7 @@ when it arrives after a collect run; the first label of an answer is the one tha
 
 A label may name an answer that ended in tool calls (an agent's client often holds the first id of its turn):
 collect joins it to the conversation that completes the turn, the first later request whose messages extend
-the labelled one (trace_rows.join_labels), so the whole turn carries it, and `metadata.labelled_answer` names
+the labelled one (tracetable.join_labels), so the whole turn carries it, and `metadata.labelled_answer` names
 the id labelled. Until such a request is recorded, the labelled answer is a trace of its own, ending in its tool
 calls, with the label.
 """
