@@ -16,7 +16,7 @@ from flywheel.data.lineage import dvc_md5, log_dataset
 from flywheel.data.redaction import Redactor
 from flywheel.data.schemas import Quarantine
 from flywheel.data.shapes import SourceError
-from flywheel.data.sources import FileReader, readers, remote_fingerprint
+from flywheel.data.sources import readers, remote_fingerprint, unmatched_globs
 from flywheel.data.tasksets import made_tasks, task_table
 from flywheel.envs import environment_sources
 from flywheel.errors import UserFacingError
@@ -55,11 +55,10 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
     with stage_context("collect", pipeline, root, parent_run_id, params=("collect",)) as stage:
         cfg, catalog, root_path, env, run = stage.cfg, stage.catalog, stage.root, stage.env, stage.run
         paths = {name: catalog.table_path(name) for name in ("traces", "quarantine", "tasks")}
+        missing, _ = unmatched_globs(pipeline, cfg, root_path)  # (the warnings: `flywheel check` and `run` say them)
+        if missing:
+            raise SourceError("\n".join(f"{root_path / 'pipelines.yaml'}: {line}" for line in missing))
         sources = readers(cfg.collect, root_path)
-        for reader in sources:
-            if isinstance(reader, FileReader) and not reader.files():
-                raise FileNotFoundError(f"pipelines.{pipeline}.collect.sources: '{reader.source.label}' matches no "
-                                        f"file ({reader.source.path} under {root_path})")
         since = None if full else watermarks.load(root_path, pipeline, cfg.collect, paths)
         quarantine = table_rows(catalog.read("quarantine")) if since is not None else []
         with gc_paused(), system_allocator():

@@ -34,7 +34,38 @@ def test_misspelt_key_names_the_file_and_the_key(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_pipelines(_write(tmp_path, data))
     assert "pipelines.yaml" in str(err.value)
-    assert "unknown key 'pipelines.demo.sft.learning_rate'" in str(err.value)
+    assert "pipelines.demo.sft.learning_rate: unknown key; did you mean 'lr'?" in str(err.value)
+
+
+@pytest.mark.parametrize("section, key, expected", [
+    (("student", "tiny"), "hiden_size", "pipelines.demo.student.tiny.hiden_size: unknown key; did you mean "
+                                        "'hidden_size'?"),
+    (("collect", "sources", 0), "paths", "pipelines.demo.collect.sources.0.paths: unknown key; did you mean 'path'?"),
+    (("gate",), "min_scor", "pipelines.demo.gate.min_scor: unknown key; did you mean 'min_score'?"),
+    (("schedule",), "crn", "pipelines.demo.schedule.crn: unknown key; did you mean 'cron'?"),
+    (("rl", "opd"), "kl_coeff", "pipelines.demo.rl.opd.kl_coeff: unknown key; did you mean 'kl_coef'?"),
+    (("rl",), "odp", "pipelines.demo.rl.odp: unknown key; did you mean 'opd'?"),
+    (("sft",), "max_seq_length", "pipelines.demo.sft.max_seq_length: unknown key; did you mean 'max_length'?"),
+    (("synthesize",), "zzz", "pipelines.demo.synthesize.zzz: unknown key; this section's keys are exclude_slices, "
+                             "include_accepted_traces, keep_best_only, max_new_tokens, samples_per_task, temperature, "
+                             "top_p"),
+])
+def test_an_unknown_key_names_the_nearest_valid_one(tmp_path, section, key, expected):
+    """difflib over the section's own keys (and a few names other tools use: learning_rate for lr); where none is
+    close, the section's keys."""
+    data = _demo()
+    demo = data["pipelines"]["demo"]
+    if section[0] == "rl" and section[1:] == ("opd",):
+        demo["rl"] |= {"objective": "reward+opd", "opd": {"teacher": "models/t"}}
+    if section[0] == "collect":
+        demo["collect"]["sources"] = [{"path": "examples/traces/*.jsonl"}]
+    place = demo
+    for part in section:
+        place = place[part]
+    place[key] = 1
+    with pytest.raises(ConfigError) as err:
+        load_pipelines(_write(tmp_path, data))
+    assert str(err.value) == f"{tmp_path / 'pipelines.yaml'}: {expected}"
 
 
 def test_bad_value_names_the_key_and_the_value(tmp_path):
@@ -63,7 +94,8 @@ def test_cross_field_rule_is_reported(tmp_path):
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("pipelines: [unclosed", "not valid YAML"),
+    ("pipelines: [unclosed", r"pipelines.yaml:1:21: not valid YAML: expected ',' or '\]', but got '<stream end>'"),
+    ("pipelines: {}\nextra: 1", "extra: unknown key; the file holds `pipelines:` alone"),
     ("just_a_string", "top-level 'pipelines:' mapping"),
     ("other: {}", "top-level 'pipelines:' mapping"),
 ])
@@ -98,8 +130,9 @@ def test_cli_check_prints_the_errors(tmp_path):
     data["pipelines"]["demo"]["gate"]["min_scor"] = 0.5
     _write(tmp_path, data)
     result = CliRunner().invoke(app, ["check", "--root", str(tmp_path)])
-    assert result.exit_code == 2
-    assert "unknown key 'pipelines.demo.gate.min_scor'" in result.output
+    assert result.exit_code == 1
+    assert "error: " + str(tmp_path / "pipelines.yaml") + ": pipelines.demo.gate.min_scor: unknown key; did you mean " \
+        "'min_score'?" in result.output.splitlines()
 
 
 def test_cli_check_fails_while_dvc_yaml_is_out_of_date(tmp_path):
@@ -109,13 +142,14 @@ def test_cli_check_fails_while_dvc_yaml_is_out_of_date(tmp_path):
     from tasks.spec import dvc_yaml
 
     data = _demo()
+    data["pipelines"] = {"demo": data["pipelines"]["demo"]}  # (replay's traces are not in tmp_path)
     _write(tmp_path, data)
     (tmp_path / "dvc.yaml").write_text(dvc_yaml(tmp_path))
     assert CliRunner().invoke(app, ["check", "--root", str(tmp_path)]).exit_code == 0
     data["pipelines"]["demo"]["collect"]["sources"] = ["logs/agent/*.jsonl"]  # collect@demo now reads logs/agent
     _write(tmp_path, data)
     result = CliRunner().invoke(app, ["check", "--root", str(tmp_path)])
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     assert "dvc.yaml is out of date" in result.output and "python -m tasks.spec > dvc.yaml" in result.output
 
 
@@ -130,7 +164,7 @@ def test_cli_check_names_a_missing_opd_teacher(tmp_path):
     data["pipelines"]["demo"]["rl"] |= {"objective": "opd", "opd": {"teacher": "models/teacher"}}
     _write(tmp_path, data)
     result = CliRunner().invoke(app, ["check", "--root", str(tmp_path)])
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     assert "pipelines.demo.rl.opd.teacher" in result.output and "models/teacher: no such checkpoint folder" \
         in result.output
 
@@ -181,3 +215,55 @@ def test_a_bad_rl_opd_value_is_named_where_it_is_written(tmp_path):
     data["pipelines"]["demo"]["rl"] |= {"objective": "reward+opd", "opd": {"teacher": "models/t", "kl_coef": 0}}
     with pytest.raises(ConfigError, match=r"pipelines\.demo\.rl\.opd\.kl_coef: Input should be greater than 0"):
         load_pipelines(_write(tmp_path, data))
+
+
+def test_cli_check_says_a_yaml_syntax_error_in_one_error_line_with_its_line_and_column(tmp_path):
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    _write(tmp_path, "pipelines:\n  demo:\n    sft: {steps: 10}\n   rl: {steps: 2}\n")  # rl one space short
+    result = CliRunner().invoke(app, ["check", "--root", str(tmp_path)])
+    assert result.exit_code == 1
+    lines = result.output.splitlines()
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith(f"error: {tmp_path / 'pipelines.yaml'}:4:4: not valid YAML: expected <block end>, but "
+                               "found '<block mapping start>' (while parsing a block mapping that starts at 2:3); "
+                               "fix the file there (indent with spaces"), lines[0]
+
+
+def test_one_bad_pipeline_does_not_stop_the_check_or_the_loading_of_another(tmp_path):
+    """`flywheel check` checks each pipeline on its own: the bad one's errors, the good one's ok, exit 1;
+    `flywheel check GOOD` passes; load_pipeline(GOOD) loads (what `flywheel run GOOD` and the flows call)."""
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    data = _demo()
+    good = data["pipelines"]["demo"]
+    bad = yaml.safe_load(yaml.safe_dump(good)) | {"trigger": None}
+    bad["sft"]["learning_rate"] = 0.1
+    bad["rl"]["group_size"] = 0
+    data["pipelines"] = {"demo": good, "broken": bad}
+    path = _write(tmp_path, data)
+
+    every = CliRunner().invoke(app, ["check", "--root", str(tmp_path)])
+    assert every.exit_code == 1
+    lines = every.output.splitlines()
+    assert f"{path}: ok (demo)" in lines
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert errors == [f"error: {path}: pipelines.broken.sft.learning_rate: unknown key; did you mean 'lr'?",
+                      f"error: {path}: pipelines.broken.rl.group_size: Input should be greater than or equal to 1 "
+                      "(got 0)",
+                      f"error: {path}: 1 of 2 pipeline(s) failed the check: broken"], every.output
+    alone = CliRunner().invoke(app, ["check", "demo", "--root", str(tmp_path)])
+    assert alone.exit_code == 0, alone.output
+    assert f"{path}: ok (demo)" in alone.output and "error" not in alone.output
+    assert CliRunner().invoke(app, ["check", "broken", "--root", str(tmp_path)]).exit_code == 1
+
+    assert load_pipeline("demo", path).sft.lr == good["sft"]["lr"]
+    with pytest.raises(ConfigError, match="pipelines.broken.sft.learning_rate") as err:
+        load_pipeline("broken", path)
+    assert "pipelines.demo" not in str(err.value)
+    with pytest.raises(ConfigError, match="pipelines.broken.rl.group_size"):
+        load_pipelines(path)  # every pipeline at once (dvc.yaml, `flywheel serve`): each must load

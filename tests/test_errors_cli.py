@@ -54,6 +54,7 @@ INTERNAL = {
     "flywheel.serving.traffic.UnknownAnswer": "an operator's verdict on an unknown answer: an HTTP 404",
     "flywheel.serving.chat.RequestError": "a client's bad request: an HTTP 400",
     "flywheel.train.rl.teacher.TeacherUnavailable": "the OPD server failed mid-run: the step's groups are dropped",
+    "flywheel.train.sft_trainer.FinishedRun": "an SFT run resumed at max_steps: its checkpoint's weights are saved",
 }
 
 
@@ -147,3 +148,50 @@ def test_a_reward_out_of_range_stops_run_with_one_error_line_and_the_traceback_i
     debug = _flywheel(root, env, "--debug", "run", "small", "--no-push")
     assert debug.returncode == 1
     assert "Traceback" in debug.stdout + debug.stderr and "RubricError" in debug.stdout + debug.stderr
+
+
+def _traceless(project: Path, teacher: str) -> None:
+    """The small pipeline on a trace source whose files are gone; with teacher none, traces are its only targets."""
+    config = yaml.safe_load((project / "pipelines.yaml").read_text())
+    small = config["pipelines"]["small"]
+    small["collect"]["sources"] = [{"name": "logs", "path": ["logs/agent/*.jsonl"]}]
+    small["teacher"] = {"policy": teacher}
+    small["synthesize"]["include_accepted_traces"] = teacher == "none"
+    (project / "pipelines.yaml").write_text(yaml.safe_dump(config))
+
+
+def test_a_missing_source_is_a_user_error_in_check_run_and_the_collect_stage(project):
+    """A pipeline that cannot start without traces (teacher.policy none) whose source matches no file: one
+    `error:` line naming the key, before any work, from `flywheel check`, `flywheel run` and `flywheel stage
+    collect`, never "a bug". A pipeline that can start without them is warned and collects nothing from it."""
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+    from tasks.spec import dvc_yaml
+
+    _traceless(project, "none")
+    (project / "dvc.yaml").write_text(dvc_yaml(project))
+    said = (f"{project / 'pipelines.yaml'}: pipelines.small.collect.sources.0.path: no file matches "
+            f"'logs/agent/*.jsonl' under {project} (source 'logs'), and this pipeline cannot start without traces: "
+            "its SFT targets come from traces (teacher.policy none); put the trace files there")
+    checked = CliRunner().invoke(app, ["check", "--root", str(project)])
+    assert checked.exit_code == 1
+    assert [line for line in checked.output.splitlines() if line.startswith("error: ")][0].startswith(
+        f"error: {said}"), checked.output
+    ran = CliRunner().invoke(app, ["run", "small", "--root", str(project)])
+    assert ran.exit_code == 2 and ran.output.startswith(f"error: {said}"), ran.output
+    assert not (project / "data").exists(), "no stage ran"
+    collected = CliRunner().invoke(app, ["stage", "collect", "-p", "small", "--root", str(project)])
+    assert collected.exit_code == 1
+    errors = [line for line in collected.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: collect: {said}"), collected.output
+    assert "bug" not in collected.output
+
+    _traceless(project, "oracle")  # the calculator's tasks and the oracle's answers need no trace
+    (project / "dvc.yaml").write_text(dvc_yaml(project))
+    checked = CliRunner().invoke(app, ["check", "--root", str(project)])
+    assert checked.exit_code == 0, checked.output
+    assert ("  warning: pipelines.small.collect.sources.0.path: 'logs/agent/*.jsonl' matches no file under "
+            f"{project} yet") in checked.output
+    collected = CliRunner().invoke(app, ["stage", "collect", "-p", "small", "--root", str(project)])
+    assert collected.exit_code == 0, collected.output

@@ -13,6 +13,7 @@ from family_students import calculator_rows
 
 from flywheel.checkpoints import load_student
 from flywheel.config import SFTConfig
+from flywheel.metrics import SFT_LAST_LOSS
 from flywheel.train.sft import train_sft
 from flywheel.train.sft_job import write_job
 
@@ -62,3 +63,28 @@ def test_a_checkpoint_cut_short_by_the_kill_is_removed_and_the_whole_one_before_
     (cut / "trainer_state.json").write_text("")  # the kill landed while the Trainer wrote it
     assert _resume_point(checkpoints, "abc") == str(whole)
     assert not cut.exists() and whole.exists()
+
+
+def test_a_finished_run_resumed_writes_nothing_new(tiny_student, tmp_path):
+    """A rerun that finds the last checkpoint at max_steps (the stage killed after training, or its model folder
+    gone) saves that checkpoint's weights: the model an uninterrupted run wrote, no step and no checkpoint past
+    max_steps. The Trainer would take one (at a learning rate of 0) when max_steps is not a whole number of epochs."""
+    import math
+    import shutil
+
+    cfg = CFG.model_copy(update={"steps": 22, "eval_every": 10})
+    rows = calculator_rows(32)
+    out = tmp_path / "sft"
+    first = train_sft(tiny_student, rows, out, cfg)
+    assert cfg.steps % math.ceil(first["train_examples"] / cfg.batch_size), "max_steps must end mid-epoch"
+    written = {p.name: p.read_bytes() for p in out.iterdir()}
+    checkpoints = sorted(p.name for p in (tmp_path / "sft-checkpoints").glob("checkpoint-*"))
+    assert checkpoints[-1] == "checkpoint-22"
+
+    shutil.rmtree(out)
+    again = train_sft(tiny_student, rows, out, cfg)
+    assert again["resumed_from"].endswith("checkpoint-22") and again["steps"] == 22
+    assert again["train_loss"] is None and again["tokens"] == 0  # no step trained in this session
+    assert sorted(p.name for p in (tmp_path / "sft-checkpoints").glob("checkpoint-*")) == checkpoints
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == written
+    assert again["eval_loss"] == first["eval_loss"] and again[SFT_LAST_LOSS] == first[SFT_LAST_LOSS]

@@ -18,6 +18,7 @@ TRACES = typer.Option(None, "--traces", help="Folder for the served traffic (def
 
 
 def fail(message: str) -> None:
-    """Print a user's mistake in red and exit 2 (bad arguments or config, found before any work)."""
-    typer.secho(message, fg=typer.colors.RED, err=True)
+    """Print a user's mistake in red, `error: ` first as every command's errors are, and exit 2 (bad arguments or
+    config, found before any work)."""
+    typer.secho(message if message.startswith("error:") else f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)

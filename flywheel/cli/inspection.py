@@ -10,7 +10,7 @@ import typer
 
 from flywheel.cli.app import ROOT, app, fail
 from flywheel.cli.errors import reported
-from flywheel.cli.preflight import checked_root, pipeline_config, preflight, stale_dvc_yaml
+from flywheel.cli.preflight import check_pipeline, checked_root, pipeline_config, preflight, say, stale_dvc_yaml
 from flywheel.cli.render import print_eval, print_status
 
 RUN_IDS = typer.Argument(None, help="MLflow run ids of retrain runs, or their first characters as the tables "
@@ -30,31 +30,58 @@ def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipe
           sample: int | None = typer.Option(None, "--sample", min=1, help="With --solve: a seeded sample of N "
                                             "tasks (default: every task collect would draw)."),
           root: Path = ROOT) -> None:
-    """Validate pipelines.yaml (every bad key or value with its place in the file), build each environment and
-    count the tasks its split gives against what the config asks; with --solve, dry-run the environment."""
-    from flywheel.config import ConfigError, load_pipelines
+    """Check every pipeline in pipelines.yaml on its own (each bad key or value with its place in the file, the
+    trace sources, the environment, the student's context) and count the tasks each split gives against what the
+    config asks; with --solve, dry-run the environment. Each error is one `error:` line; exit 1 if any."""
+    from flywheel.config import ConfigError, load_each
     from flywheel.data.tasksets import own_tasks, short_splits
 
+    path = root / "pipelines.yaml"
     try:
-        pipelines = load_pipelines(root / "pipelines.yaml")
+        each = load_each(path)
     except ConfigError as err:
-        fail(str(err))
-    if pipeline is not None and pipeline not in pipelines:
-        fail(f"{root / 'pipelines.yaml'}: no pipeline '{pipeline}' (pipelines: {', '.join(sorted(pipelines))})")
-    chosen = pipelines if pipeline is None else {pipeline: pipelines[pipeline]}
-    built = preflight(root, chosen)
-    stale = stale_dvc_yaml(root)
-    if stale:
-        fail(stale)
-    typer.echo(f"{root / 'pipelines.yaml'}: ok ({', '.join(sorted(chosen))})")
+        _failed([str(err)])
+    if pipeline is not None and pipeline not in each:
+        _failed([f"{path}: no pipeline named '{pipeline}' (have: {', '.join(sorted(each))})"])
+    chosen = each if pipeline is None else {pipeline: each[pipeline]}
+    passed, errors = {}, []
     for name, cfg in chosen.items():
+        if isinstance(cfg, ConfigError):
+            errors += str(cfg).splitlines()
+            continue
+        checked = check_pipeline(root, name, cfg)
+        say(name, checked)
+        errors += checked.errors
+        if not checked.errors:
+            passed[name] = (cfg, checked.env)
+    if all(not isinstance(cfg, ConfigError) for cfg in each.values()):
+        stale = stale_dvc_yaml(root)  # generated from every pipeline: only comparable when every one loads
+        errors += [stale] if stale else []
+    else:
+        typer.secho(f"  warning: {root / 'dvc.yaml'} not compared with {path} while a pipeline in it does not "
+                    "load", fg=typer.colors.YELLOW)
+    if passed:
+        typer.echo(f"{path}: ok ({', '.join(sorted(passed))})")
+    for name, (cfg, env) in passed.items():
         if solve:
             continue  # the dry run says it with the rest
-        splits = Counter(t.split for t in own_tasks(built[name], cfg.environment, cfg.collect.heldout_fraction))
-        for line in short_splits(built[name].name, splits, cfg.environment, cfg.collect.heldout_fraction):
+        splits = Counter(t.split for t in own_tasks(env, cfg.environment, cfg.collect.heldout_fraction))
+        for line in short_splits(env.name, splits, cfg.environment, cfg.collect.heldout_fraction):
             typer.secho(f"  warning: pipelines.{name}: {line}", fg=typer.colors.YELLOW)
-    if solve and not _dry_run(root.resolve(), chosen, named=pipeline is not None, sample=sample):
+    if errors:
+        failed = sorted(set(chosen) - set(passed))
+        _failed(errors + [f"{path}: {len(failed)} of {len(chosen)} pipeline(s) failed the check: "
+                          f"{', '.join(failed)}"] * bool(failed))
+    if solve and not _dry_run(root.resolve(), {name: cfg for name, (cfg, _) in passed.items()},
+                              named=pipeline is not None, sample=sample):
         raise typer.Exit(1)
+
+
+def _failed(errors: list[str]) -> None:
+    """`flywheel check`'s errors, one `error:` line each, and exit 1."""
+    for line in errors:
+        typer.secho(line if line.startswith("error:") else f"error: {line}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(1)
 
 
 def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bool:
@@ -71,7 +98,7 @@ def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bo
             report = dry_run(name, cfg, harness, sample=sample)
         except NoTasksError as err:
             if named:
-                fail(str(err))
+                _failed([str(err)])
             typer.echo(f"pipeline '{name}': not dry-run: {err}")
             continue
         for line in render(report):

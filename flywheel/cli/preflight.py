@@ -1,9 +1,11 @@
-"""The checks before any work: the config loads, each environment builds, each student fits its prompts and each
-on-policy teacher is a checkpoint. `flywheel run`, `check` and `eval` run the same checks, so what `check` passes
-a run does not refuse minutes later."""
+"""The checks before any work: the config loads, the trace sources are there, each environment builds, each
+student fits its prompts and each on-policy teacher is a checkpoint. `flywheel run`, `check` and `eval` run the
+same checks, so what `check` passes a run does not refuse minutes later. Each pipeline is checked on its own:
+one pipeline's bad config never stops the check or the run of another."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import typer
@@ -11,14 +13,26 @@ import typer
 from flywheel.cli.app import fail
 
 
+@dataclass
+class Checked:
+    """One pipeline's checks: its environment (None if it did not build), the errors that fail it, and the lines
+    that only inform (notes) or warn."""
+
+    env: object | None = None
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
 def checked_root(root: Path) -> Path:
-    """The project root, resolved, with a pipelines.yaml that loads; the project's settings put in place."""
-    from flywheel.config import ConfigError, load_pipelines
+    """The project root, resolved, with a pipelines.yaml that reads (YAML, a `pipelines:` mapping); the project's
+    settings put in place. Each pipeline is checked where a command loads it (pipeline_config), alone."""
+    from flywheel.config import ConfigError, read_pipelines_file
     from flywheel.settings import configure
 
     root = root.resolve()
     try:
-        load_pipelines(root / "pipelines.yaml")
+        read_pipelines_file(root / "pipelines.yaml")
     except ConfigError as err:
         fail(str(err))
     configure(root)
@@ -26,7 +40,7 @@ def checked_root(root: Path) -> Path:
 
 
 def pipeline_config(root: Path, name: str):
-    """One pipeline's checked config, or the config error on the terminal (exit 2)."""
+    """One pipeline's checked config (another pipeline's errors do not count), or its error on the terminal."""
     from flywheel.config import ConfigError, load_pipeline
 
     try:
@@ -37,65 +51,90 @@ def pipeline_config(root: Path, name: str):
 
 def preflight(root: Path, pipelines: dict, *, students: bool = True) -> dict:
     """Every pipeline's environment built (returned by name); with `students`, each student against its prompts
-    and each on-policy distillation teacher loaded. The first problem exits naming the file and key."""
-    built = _environments(root, pipelines)
-    if students:
-        _contexts(root, pipelines, built)
-        _teachers(root, pipelines)
+    and each on-policy distillation teacher loaded. The first pipeline with errors exits naming the file and key."""
+    built = {}
+    for name, cfg in pipelines.items():
+        checked = check_pipeline(root, name, cfg, students=students)
+        say(name, checked)
+        if checked.errors:
+            fail("\n".join(checked.errors))
+        built[name] = checked.env
     return built
 
 
-def _environments(root: Path, pipelines: dict) -> dict:
-    """Build each pipeline's environment now (returned by pipeline name): an unknown factory, an import error or
-    a factory that raises is an error naming the key, the module and the cause before any stage runs."""
+def say(name: str, checked: Checked) -> None:
+    """A pipeline's notes and warnings on the terminal (its errors are the caller's to report)."""
+    for note in checked.notes:
+        typer.echo(f"  pipelines.{name}: {note}")
+    for warning in checked.warnings:
+        typer.secho(f"  warning: {warning}", fg=typer.colors.YELLOW)
+
+
+def check_pipeline(root: Path, name: str, cfg, *, students: bool = True) -> Checked:
+    """Every check of one pipeline whose config loaded: its trace sources, its environment, and with `students`
+    its student against the prompts and its on-policy teacher. Each error line names the file and the key."""
+    from flywheel.data.sources import unmatched_globs
+
+    file = root / "pipelines.yaml"
+    checked = Checked()
+    missing, empty = unmatched_globs(name, cfg, root.resolve())
+    checked.errors += [f"{file}: {line}" for line in missing]
+    checked.warnings += empty
+    checked.env = _environment(root, name, cfg, checked)
+    if students and checked.env is not None:
+        _context(root, name, cfg, checked)
+    if students:
+        _teacher(root, name, cfg, checked)
+    return checked
+
+
+def _environment(root: Path, name: str, cfg, checked: Checked):
+    """The pipeline's environment built now: an unknown factory, an import error or a factory that raises is an
+    error naming the key, the module and the cause before any stage runs."""
     from flywheel.agent import load_harness
     from flywheel.envs import EnvironmentLoadError
 
-    built = {}
-    for name, cfg in pipelines.items():
-        try:
-            built[name] = load_harness(cfg.environment, root.resolve()).env
-        except EnvironmentLoadError as err:
-            fail(f"{root / 'pipelines.yaml'}: pipelines.{name}.{err}")
-    return built
+    try:
+        return load_harness(cfg.environment, root.resolve()).env
+    except EnvironmentLoadError as err:
+        checked.errors.append(f"{root / 'pipelines.yaml'}: pipelines.{name}.{err}")
+        return None
 
 
-def _contexts(root: Path, pipelines: dict, built: dict) -> None:
-    """Each pipeline's student (`auto` resolved, and installed when it picks SmolLM2) against its environment's
-    prompts: a prompt and a turn's tokens, or a max_length, over the student's context is an error naming the
-    lengths and the keys, before any stage trains (flywheel/train/context.py)."""
+def _context(root: Path, name: str, cfg, checked: Checked) -> None:
+    """The student (`auto` resolved, and installed when it picks SmolLM2) against the environment's prompts: a
+    prompt and a turn's tokens, or a max_length, over the student's context is an error naming the lengths and
+    the keys, before any stage trains (flywheel/train/context.py)."""
     from flywheel.checkpoints import CheckpointError
     from flywheel.config import ConfigError
     from flywheel.train.context import ContextError, check_fit
     from flywheel.train.students import require_installed, resolve_student
 
-    for name, cfg in pipelines.items():
-        try:
-            resolved, choice = resolve_student(cfg, root.resolve())
-            require_installed(choice)
-            notes = check_fit(name, resolved, built[name], root.resolve())
-        except (ConfigError, CheckpointError, ContextError) as err:
-            fail("\n".join(f"{root / 'pipelines.yaml'}: pipelines.{name}: {line}" for line in str(err).splitlines()))
-        if choice.auto:
-            typer.echo(f"  pipelines.{name}: student {choice.line()}")
-        for note in notes:
-            typer.secho(f"  warning: pipelines.{name}: {note}", fg=typer.colors.YELLOW)
+    try:
+        resolved, choice = resolve_student(cfg, root.resolve())
+        require_installed(choice)
+        notes = check_fit(name, resolved, checked.env, root.resolve())
+    except (ConfigError, CheckpointError, ContextError) as err:
+        checked.errors += [f"{root / 'pipelines.yaml'}: pipelines.{name}: {line}" for line in str(err).splitlines()]
+        return
+    if choice.auto:
+        checked.notes.append(f"student {choice.line()}")
+    checked.warnings += [f"pipelines.{name}: {note}" for note in notes]
 
 
-def _teachers(root: Path, pipelines: dict) -> None:
+def _teacher(root: Path, name: str, cfg, checked: Checked) -> None:
     """On-policy distillation's local teacher must be a checkpoint folder now, not when the rl stage starts after
     SFT (its tokenizer is compared with the student's there, and a served teacher is probed there)."""
     from flywheel.checkpoints import CheckpointError, load_student
 
-    for name, cfg in pipelines.items():
-        opd = cfg.rl.objective.opd  # none unless the objective distils
-        if opd is None or opd.base_url:
-            continue
-        folder = Path(opd.teacher) if Path(opd.teacher).is_absolute() else root / opd.teacher
-        try:
-            load_student(folder)
-        except CheckpointError as err:
-            fail(f"{root / 'pipelines.yaml'}: pipelines.{name}.rl.opd.teacher: {err}")
+    opd = cfg.rl.objective.opd  # none unless the objective distils
+    if opd is None or opd.base_url:
+        return
+    folder = Path(opd.teacher) if Path(opd.teacher).is_absolute() else root / opd.teacher
+    try:
+        load_student(folder)
+    except CheckpointError as err:
+        checked.errors.append(f"{root / 'pipelines.yaml'}: pipelines.{name}.rl.opd.teacher: {err}")
 
 
 def stale_dvc_yaml(root: Path) -> str | None:

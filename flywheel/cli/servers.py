@@ -23,9 +23,13 @@ PANEL = "Serve and schedule"  # where `flywheel --help` lists these commands
 
 def _planned(root: Path, stage_jobs: dict | None = None) -> list:
     from flows.deployments import plan
-    from flywheel.config import load_pipelines
+    from flywheel.config import ConfigError, load_pipelines
 
-    wanted = plan(load_pipelines(root / "pipelines.yaml"), root, stage_jobs=stage_jobs)
+    try:  # every pipeline's schedule and trigger: each must load
+        pipelines = load_pipelines(root / "pipelines.yaml")
+    except ConfigError as err:
+        fail(str(err))
+    wanted = plan(pipelines, root, stage_jobs=stage_jobs)
     if not wanted:
         fail(f"{root / 'pipelines.yaml'}: no pipeline has a `schedule` or a `trigger`, so there is nothing to "
              "deploy; add e.g. `schedule: {cron: \"0 3 * * 1\", timezone: UTC}` to a pipeline")

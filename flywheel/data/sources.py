@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 import orjson
 
-from flywheel.config import CollectConfig, SourceConfig
+from flywheel.config import CollectConfig, PipelineConfig, SourceConfig
 from flywheel.data.catalog import expand
 from flywheel.data.mlflow_traces import MlflowReader
 from flywheel.data.shapes import BadRecord, SourceError
@@ -300,6 +300,29 @@ def readers(cfg: CollectConfig, root: Path) -> list:
         else:
             made.append(MlflowReader(source, cfg.max_record_bytes))
     return made
+
+
+def unmatched_globs(pipeline: str, cfg: PipelineConfig, root: Path) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for the local sources' globs that match no file under root, each naming its key.
+
+    A source none of whose globs matches a file is an error when the pipeline cannot start without traces (its
+    tasks or SFT targets come from them: PipelineConfig.needs_traces). Any other glob that matches nothing is a
+    warning: a folder that fills later (the served traffic `flywheel loop` writes) may be empty at first.
+    """
+    errors, warnings = [], []
+    for number, source in enumerate(cfg.collect.sources):
+        key = f"pipelines.{pipeline}.collect.sources.{number}.path"
+        empty = [pattern for pattern in source.path or [] if not expand(root, [pattern])]
+        if empty and len(empty) == len(source.path) and cfg.needs_traces:
+            needs = ("its tasks come from traces (environment replay)" if cfg.environment.name == "replay" else
+                     "its SFT targets come from traces (teacher.policy none)")
+            errors.append(f"{key}: no file matches {', '.join(map(repr, empty))} under {root} (source "
+                          f"'{source.label}'), and this pipeline cannot start without traces: {needs}; put the "
+                          "trace files there, or point the path at where they are")
+            continue
+        warnings += [f"{key}: {pattern!r} matches no file under {root} yet; collect reads nothing there until "
+                     "files arrive (fine for a folder that fills later, such as served traffic)" for pattern in empty]
+    return errors, warnings
 
 
 def local_files(cfg: CollectConfig, root: Path) -> list[Path]:

@@ -175,18 +175,22 @@ def train_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTCon
     if cfg.launcher != "single":
         return launch_sft(base_dir, rows, out_dir, cfg, on_log, chat_template, accelerate_config)
     from flywheel.train.sft_log import tokens_this_session
+    from flywheel.train.sft_trainer import FinishedRun
 
     out_dir = Path(out_dir)
     with _quiet_progress():
         trainer, resume, counts = build_sft_trainer(base_dir, rows, out_dir, cfg, on_log, chat_template, device)
         started = time.perf_counter()
-        result = trainer.train(resume_from_checkpoint=resume)
+        try:
+            train_loss = float(trainer.train(resume_from_checkpoint=resume).training_loss)
+        except FinishedRun:  # the checkpoint is the run's last step: its weights are saved as they are
+            train_loss = None  # (the loss of the steps trained in this session: none)
         runtime = time.perf_counter() - started
         eval_loss = _final_eval_loss(trainer)
         _save(trainer, out_dir, base_dir, cfg)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     tokens = tokens_this_session(trainer)
-    return {"train_loss": float(result.training_loss), SFT_LAST_LOSS: float(losses[-1]) if losses else None,
+    return {"train_loss": train_loss, SFT_LAST_LOSS: float(losses[-1]) if losses else None,
             "eval_loss": eval_loss, "steps": int(trainer.state.global_step), "runtime_s": runtime,
             "tokens": int(tokens), "tokens_per_s": tokens / runtime if runtime > 0 else 0.0,
             "resumed_from": resume, "world_size": int(trainer.args.world_size), **counts}
@@ -239,7 +243,7 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
     from transformers import PrinterCallback
 
     from flywheel.train.sft_log import StepLog
-    from flywheel.train.sft_trainer import PlainLossSFTTrainer
+    from flywheel.train.sft_trainer import PlainLossSFTTrainer, StopIfFinished
 
     out_dir = Path(out_dir)
     if not rows:
@@ -258,7 +262,7 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
     trainer = PlainLossSFTTrainer(model=model, args=_training_args(cfg, checkpoints, on_cpu, heldout),
                                   train_dataset=datasets.Dataset.from_list(examples.train),
                                   eval_dataset=datasets.Dataset.from_list(examples.heldout) if heldout else None,
-                                  processing_class=tokenizer, callbacks=[StepLog(on_log)],
+                                  processing_class=tokenizer, callbacks=[StepLog(on_log), StopIfFinished()],
                                   peft_config=_peft_config(cfg))
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; on_log is the one outlet
     return trainer, resume, examples.counts

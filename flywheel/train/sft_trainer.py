@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import TrainerCallback
 from trl import SFTTrainer
 
 from flywheel.train.opening import wanted_logits
@@ -43,3 +44,18 @@ class PlainLossSFTTrainer(SFTTrainer):
             self._metrics[mode]["mean_token_accuracy"].append(
                 (logits.argmax(-1) == targets).float().mean().item() if targets.numel() else 0.0)
         return (loss, {"logits": logits}) if return_outputs else loss
+
+
+class FinishedRun(Exception):
+    """The checkpoint a run resumed from is its last step: nothing is left to train (raised by StopIfFinished)."""
+
+
+class StopIfFinished(TrainerCallback):
+    """Ends train() before any step when the checkpoint it resumed from is already at max_steps. Left to itself,
+    the Trainer starts again the epoch that run stopped in when max_steps is not a whole number of epochs, and
+    takes one step (at a learning rate of 0) and saves one checkpoint past max_steps. on_train_begin comes after
+    the checkpoint's weights and state are loaded, so the caller saves them as the finished run did."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            raise FinishedRun(f"resumed at step {state.global_step} of {state.max_steps}")
