@@ -124,7 +124,8 @@ def test_every_file_format(tmp_path):
     ({"path": "x", "s3": "s3://b/p"}, "exactly one of path, s3, mlflow"),
     ({"s3": "bucket/prefix"}, "s3://bucket/prefix"),
     ({"path": "x", "shape": "mapped"}, "needs fields.messages"),
-    ({"path": "x", "fields": {"message": "a"}}, "unknown key 'pipelines.p.collect.sources.0.fields.message'"),
+    ({"path": "x", "fields": {"message": "a"}},
+     "pipelines.p.collect.sources.0.fields.message: unknown key; did you mean 'messages'"),
     ({"path": "x", "outcome": {"score_threshold": "high"}}, "score_threshold"),
 ])
 def test_bad_source_config_names_the_key(tmp_path, source, message):

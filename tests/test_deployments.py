@@ -40,7 +40,7 @@ def test_schedule_and_trigger_errors_name_the_key(tmp_path):
     cases = {"schedule: {cron: '0 3 * *'}": "pipelines.p.schedule",
              "schedule: {cron: '0 3 * * 1', timezone: Mars/Olympus}": "not an IANA time zone",
              "trigger: {min_new_traces: 0}": "pipelines.p.trigger.min_new_traces",
-             "trigger: {min_new_traces: 5, every: 60}": "unknown key 'pipelines.p.trigger.every'"}
+             "trigger: {min_new_traces: 5, every: 60}": "p.trigger.every: unknown key; did you mean 'every_s'"}
     for text, expected in cases.items():
         small = SMALL_PIPELINE.replace("  small:", "  p:")
         (tmp_path / "pipelines.yaml").write_text(small + "    " + text + "\n")
