@@ -10,7 +10,15 @@ import typer
 
 from flywheel.cli.app import ROOT, app, fail
 from flywheel.cli.errors import reported
-from flywheel.cli.preflight import check_pipeline, checked_root, pipeline_config, preflight, say, stale_dvc_yaml
+from flywheel.cli.preflight import (
+    check_pipeline,
+    checked_root,
+    fail_each,
+    pipeline_config,
+    preflight,
+    say,
+    stale_dvc_yaml,
+)
 from flywheel.cli.render import print_eval, print_status
 
 RUN_IDS = typer.Argument(None, help="MLflow run ids of retrain runs, or their first characters as the tables "
@@ -40,9 +48,9 @@ def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipe
     try:
         each = load_each(path)
     except ConfigError as err:
-        _failed([str(err)])
+        fail_each(str(err).splitlines(), code=1)
     if pipeline is not None and pipeline not in each:
-        _failed([f"{path}: no pipeline named '{pipeline}' (have: {', '.join(sorted(each))})"])
+        fail_each([f"{path}: no pipeline named '{pipeline}' (have: {', '.join(sorted(each))})"], code=1)
     chosen = each if pipeline is None else {pipeline: each[pipeline]}
     passed, errors = {}, []
     for name, cfg in chosen.items():
@@ -70,18 +78,11 @@ def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipe
             typer.secho(f"  warning: pipelines.{name}: {line}", fg=typer.colors.YELLOW)
     if errors:
         failed = sorted(set(chosen) - set(passed))
-        _failed(errors + [f"{path}: {len(failed)} of {len(chosen)} pipeline(s) failed the check: "
-                          f"{', '.join(failed)}"] * bool(failed))
+        fail_each(errors + [f"{path}: {len(failed)} of {len(chosen)} pipeline(s) failed the check: "
+                            f"{', '.join(failed)}"] * bool(failed), code=1)
     if solve and not _dry_run(root.resolve(), {name: cfg for name, (cfg, _) in passed.items()},
                               named=pipeline is not None, sample=sample):
         raise typer.Exit(1)
-
-
-def _failed(errors: list[str]) -> None:
-    """`flywheel check`'s errors, one `error:` line each, and exit 1."""
-    for line in errors:
-        typer.secho(line if line.startswith("error:") else f"error: {line}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(1)
 
 
 def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bool:
@@ -98,7 +99,7 @@ def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bo
             report = dry_run(name, cfg, harness, sample=sample)
         except NoTasksError as err:
             if named:
-                _failed([str(err)])
+                fail_each([str(err)], code=1)
             typer.echo(f"pipeline '{name}': not dry-run: {err}")
             continue
         for line in render(report):

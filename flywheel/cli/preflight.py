@@ -46,20 +46,28 @@ def pipeline_config(root: Path, name: str):
     try:
         return load_pipeline(name, root / "pipelines.yaml")
     except ConfigError as err:
-        fail(str(err))
+        fail_each(str(err).splitlines())
 
 
 def preflight(root: Path, pipelines: dict, *, students: bool = True) -> dict:
-    """Every pipeline's environment built (returned by name); with `students`, each student against its prompts
-    and each on-policy distillation teacher loaded. The first pipeline with errors exits naming the file and key."""
+    """Every pipeline's environment built (returned by name); with `students` (a run that trains), its trace
+    sources, each student against its prompts and each on-policy distillation teacher loaded. The first pipeline
+    with errors exits, one `error:` line each naming the file and key."""
     built = {}
     for name, cfg in pipelines.items():
         checked = check_pipeline(root, name, cfg, students=students)
         say(name, checked)
         if checked.errors:
-            fail("\n".join(checked.errors))
+            fail_each(checked.errors)
         built[name] = checked.env
     return built
+
+
+def fail_each(errors: list[str], code: int = 2) -> None:
+    """Errors found before any work, one `error:` line each, in red; exit 2 as `fail` does (`flywheel check`: 1)."""
+    for line in errors:
+        typer.secho(line if line.startswith("error:") else f"error: {line}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
 
 
 def say(name: str, checked: Checked) -> None:
@@ -71,15 +79,16 @@ def say(name: str, checked: Checked) -> None:
 
 
 def check_pipeline(root: Path, name: str, cfg, *, students: bool = True) -> Checked:
-    """Every check of one pipeline whose config loaded: its trace sources, its environment, and with `students`
-    its student against the prompts and its on-policy teacher. Each error line names the file and the key."""
+    """Every check of one pipeline whose config loaded: its environment, and with `students` (a run that trains)
+    its trace sources, its student against the prompts and its on-policy teacher. Each error names the file and
+    the key."""
     from flywheel.data.sources import unmatched_globs
 
-    file = root / "pipelines.yaml"
     checked = Checked()
-    missing, empty = unmatched_globs(name, cfg, root.resolve())
-    checked.errors += [f"{file}: {line}" for line in missing]
-    checked.warnings += empty
+    if students:  # (`flywheel eval` reads the collected tasks, not the sources)
+        missing, empty = unmatched_globs(name, cfg, root.resolve())
+        checked.errors += [f"{root / 'pipelines.yaml'}: {line}" for line in missing]
+        checked.warnings += empty
     checked.env = _environment(root, name, cfg, checked)
     if students and checked.env is not None:
         _context(root, name, cfg, checked)
