@@ -157,7 +157,7 @@ def _traceless(project: Path, teacher: str) -> None:
     small["collect"]["sources"] = [{"name": "logs", "path": ["logs/agent/*.jsonl"]}]
     small["teacher"] = {"policy": teacher}
     small["synthesize"]["include_accepted_traces"] = teacher == "none"
-    (project / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    (project / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"small": small}}))
 
 
 def test_a_missing_source_is_a_user_error_in_check_run_and_the_collect_stage(project):
@@ -178,8 +178,12 @@ def test_a_missing_source_is_a_user_error_in_check_run_and_the_collect_stage(pro
     assert checked.exit_code == 1
     assert [line for line in checked.output.splitlines() if line.startswith("error: ")][0].startswith(
         f"error: {said}"), checked.output
+    config = yaml.safe_load((project / "pipelines.yaml").read_text())
+    config["pipelines"]["broken"] = {"sft": {"learning_rate": 0.1}}  # another pipeline's errors do not stop this run
+    (project / "pipelines.yaml").write_text(yaml.safe_dump(config))
     ran = CliRunner().invoke(app, ["run", "small", "--root", str(project)])
     assert ran.exit_code == 2 and ran.output.startswith(f"error: {said}"), ran.output
+    assert "broken" not in ran.output
     assert not (project / "data").exists(), "no stage ran"
     collected = CliRunner().invoke(app, ["stage", "collect", "-p", "small", "--root", str(project)])
     assert collected.exit_code == 1
