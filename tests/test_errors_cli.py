@@ -54,6 +54,7 @@ INTERNAL = {
     "flywheel.serving.traffic.UnknownAnswer": "an operator's verdict on an unknown answer: an HTTP 404",
     "flywheel.serving.chat.RequestError": "a client's bad request: an HTTP 400",
     "flywheel.train.rl.teacher.TeacherUnavailable": "the OPD server failed mid-run: the step's groups are dropped",
+    "flows.processes.Stopped": "SIGTERM or SIGINT: `flywheel run` reports its runs, stops its processes, one line",
 }
 
 
