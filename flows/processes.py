@@ -179,23 +179,27 @@ def end(pids: list[int], grace_s: float = 5.0) -> list[int]:
 
 def alive(pid: int) -> bool:
     """Whether pid runs (a zombie, ended but not yet collected by its parent, does not)."""
+    if not _PROC.is_dir():
+        return _signal(pid, 0)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return (_PROC / str(pid) / "stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+        return _stat(pid)[0] != "Z"
     except (OSError, IndexError):
-        return True
+        return False
 
 
-def _signal(pid: int, sig: int) -> None:
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name: state, parent pid, ..."""
+    return (_PROC / str(pid) / "stat").read_text().rsplit(") ", 1)[1].split()
+
+
+def _signal(pid: int, sig: int) -> bool:
     try:
         os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
         pass
+    return True
 
 
 def _is_prefect_server(pid: int, port) -> bool:
@@ -221,7 +225,7 @@ def _tree() -> dict[int, int]:
     parents = {}
     for pid in _pids():
         try:
-            parents[pid] = int((_PROC / str(pid) / "stat").read_text().rsplit(") ", 1)[1].split()[1])
+            parents[pid] = int(_stat(pid)[1])
         except (OSError, IndexError, ValueError):
             continue
     return parents
