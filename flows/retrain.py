@@ -8,7 +8,7 @@ from pathlib import Path
 from prefect import flow, runtime
 
 from flows.names import RETRAIN_FLOW
-from flows.runlock import Holding, pipeline_lock
+from flows.runlock import Holding, pipeline_lock, reap
 from flows.stage import run_stage
 from flywheel import registry
 from flywheel.config import load_pipeline
@@ -39,7 +39,8 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
     `stage_jobs` (stage -> job variables) runs each stage as its own `stage/<pipeline>` flow run, i.e. its own
     job on the pool (a GPU only where a stage needs one); unset, every stage runs in this flow run.
     One run of a pipeline at a time per project folder (flows/runlock.py): another one running makes this one
-    fail naming it, or, with `wait`, start when it ends.
+    fail naming it, or, with `wait`, start when it ends. `flywheel run` takes that lock before the flow starts;
+    the flow then runs under it (a deployment's run, with no command around it, takes it here).
     """
     root_path = Path(root).resolve()
     cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")  # a bad config fails here, before any work
@@ -49,6 +50,11 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
                          "every stage its own ({} for the pool's defaults)")
     flow_run_id = str(runtime.flow_run.id or "")
     with pipeline_lock(root_path, pipeline, flow_run_id, wait) as holding:
+        for found in reap(root_path):  # runs of this project whose process died: stopped and marked as they ended
+            if found.state == "dead":
+                print(found.line(), flush=True)
+        # Further holds of the pipeline (e.g. a Prefect concurrency limit across machines) go here, inside the
+        # file lock: a refused run has not started an MLflow run yet.
         return _stages(pipeline, root_path, cfg, student, refresh, push, list(restored or []), tags, promote,
                        stage_jobs, flow_run_id, holding)
 
@@ -101,8 +107,8 @@ def _stages(pipeline: str, root_path: Path, cfg, student: StudentChoice, refresh
             dvc.push(root_path)
         if use_dvc:
             registry.record_lock(parent, dvc.read_lock(root_path), pipeline)
-    except BaseException:
-        parent.end(ok=False)
+    except BaseException as err:
+        parent.end(ok=False, stopped=not isinstance(err, Exception))  # a signal: KILLED, as the flow run CRASHED
         raise
     summary = _summary(pipeline, results, ran, restored, parent.run_id, student.line())
     parent.metrics(dict(summary.scores))

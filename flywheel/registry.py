@@ -102,8 +102,10 @@ class Run:
     def artifact_uri(self, folder: str) -> str:
         return client().get_run(self.run_id).info.artifact_uri.rstrip("/") + "/" + folder
 
-    def end(self, ok: bool = True) -> None:
-        client().set_terminated(self.run_id, RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED))
+    def end(self, ok: bool = True, stopped: bool = False) -> None:
+        """FINISHED; FAILED after an error; KILLED when the process was stopped (SIGTERM, Ctrl-C)."""
+        status = RunStatus.KILLED if stopped else RunStatus.FINISHED if ok else RunStatus.FAILED
+        client().set_terminated(self.run_id, RunStatus.to_string(status))
 
 
 def start_run(root: Path, pipeline: str, name: str, parent: str | None = None, tags: dict | None = None) -> Run:
@@ -119,13 +121,14 @@ def start_run(root: Path, pipeline: str, name: str, parent: str | None = None, t
 @contextmanager
 def stage_run(root: Path, pipeline: str, stage: str, parent: str | None, params: dict,
               tags: dict | None = None) -> Iterator[Run]:
-    """A nested run for one stage: params logged up front, marked FAILED if the stage raises."""
+    """A nested run for one stage: params logged up front, marked FAILED if the stage raises an error, KILLED if a
+    signal stops it."""
     run = start_run(root, pipeline, stage, parent, tags)
     run.params(params)
     try:
         yield run
-    except BaseException:
-        run.end(ok=False)
+    except BaseException as err:
+        run.end(ok=False, stopped=not isinstance(err, Exception))
         raise
     run.end(ok=True)
 

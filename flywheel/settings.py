@@ -17,7 +17,8 @@ def configure(root: Path) -> None:
     defaults = {
         "PREFECT_HOME": str(state / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # its heartbeat logs "database is locked" otherwise
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",  # 20 s is too short on a busy 2-core box
+        # 20 s is too short on a busy 2-core box; past this, `flywheel run` says what to set (flows/processes.py)
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
         "PREFECT_LOGGING_LEVEL": "WARNING",
         "MLFLOW_TRACKING_URI": f"sqlite:///{state / 'mlflow.db'}",

@@ -248,6 +248,48 @@ def test_a_worker_that_dies_fails_the_collect_with_what_to_do(tmp_path, monkeypa
     assert len(found.traces) == 30
 
 
+WORKERS_LEFT = """
+import multiprocessing, os, time
+from concurrent.futures import ProcessPoolExecutor
+from flywheel.data import collection
+pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"), initializer=collection._set_worker,
+                           initargs=(None, os.getpid()))
+print(" ".join(str(pid) for pid in {pool.submit(os.getpid).result() for _ in range(8)} | set(pool._processes)),
+      flush=True)
+time.sleep(600)
+"""
+
+
+def test_collects_workers_end_with_a_stage_killed_by_sigkill():
+    """A forked worker holds its own end of the pool's pipe: without the parent-death signal it would wait for
+    work forever once the stage's process is SIGKILLed."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    stage = subprocess.Popen([sys.executable, "-c", WORKERS_LEFT], env=env, stdout=subprocess.PIPE, text=True)
+    workers = [int(pid) for pid in stage.stdout.readline().split()]
+    assert workers and stage.pid not in workers
+    stage.send_signal(signal.SIGKILL)
+    stage.wait()
+    deadline = time.monotonic() + 30
+    while (left := [pid for pid in workers if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:  # nothing left behind by a failing test either
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
 def test_the_tasks_table_takes_the_tasks_collect_made_and_makes_the_rest(tmp_path):
     """A merged table whose task columns hold the new rows' tasks (made in collect) and nothing for the stored
     rows: task_table makes the stored rows' tasks itself and builds the table it builds from the rows alone."""

@@ -55,6 +55,7 @@ INTERNAL = {
     "flywheel.serving.chat.RequestError": "a client's bad request: an HTTP 400",
     "flywheel.train.rl.teacher.TeacherUnavailable": "the OPD server failed mid-run: the step's groups are dropped",
     "flywheel.train.sft_trainer.FinishedRun": "an SFT run resumed at max_steps: its checkpoint's weights are saved",
+    "flows.processes.Stopped": "SIGTERM or SIGINT: `flywheel run` reports its runs, stops its processes, one line",
 }
 
 

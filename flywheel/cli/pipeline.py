@@ -26,12 +26,38 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yam
         wait: bool = typer.Option(False, "--wait", help="If the pipeline is already running here, start when it "
                                   "ends (default: stop, naming the running one).")) -> None:
     """Run the retrain flow: collect, synthesize, sft, rl, evaluate, register."""
-    root = checked_root(root)
-    preflight(root, {pipeline: pipeline_config(root, pipeline)})
-    from flows.retrain import retrain
+    from flows.processes import Stopped, start_prefect_server, stop_on_signals, stop_started
+    from flows.runlock import pipeline_lock, reap
 
-    started = time.monotonic()
-    summary = retrain(pipeline=pipeline, root=str(root), refresh=refresh, push=push, wait=wait)
+    root = checked_root(root)
+    cfg = pipeline_config(root, pipeline)
+    holding = server = settled = None
+    try:
+        # the lock first: a second run stops here within seconds, before any check or server starts
+        with stop_on_signals(), pipeline_lock(root, pipeline, wait=wait) as holding:
+            try:
+                reap(root, mark=False)  # what dead runs left running stops now; the flow marks their runs
+                preflight(root, {pipeline: cfg})
+                server = start_prefect_server(holding.record)
+                from flows.retrain import retrain
+
+                started = time.monotonic()
+                summary = retrain(pipeline=pipeline, root=str(root), refresh=refresh, push=push)
+            except BaseException as err:
+                settled = holding.settle(err)  # what the flow could not report, while the server is up
+                raise
+            finally:
+                stop_started(server)  # every process it started, Prefect's server last
+    except Stopped as stop:
+        if holding is None:
+            said = "nothing was started"
+        elif settled is None:
+            said = "its runs are not marked yet (`flywheel status` marks them)"
+        else:
+            said = ", ".join(settled.states) or "no flow run had started"
+            said += "" if settled.complete else " (`flywheel status` marks the rest)"
+        typer.secho(f"flywheel run {pipeline}: stopped by {stop.name}: {said}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(stop.exit_code) from None
     print_summary(summary, root, time.monotonic() - started)
 
 

@@ -189,9 +189,25 @@ class _Done:
 _WORKER: _Work | None = None  # a worker process's, inherited from the parent when it forks
 
 
-def _set_worker(work: _Work) -> None:
+def _set_worker(work: _Work, parent: int) -> None:
     global _WORKER
     _WORKER = work
+    _end_with(parent)
+
+
+def _end_with(parent: int) -> None:
+    """A forked worker ends when the stage's process does, even by SIGKILL: it holds its own end of the pool's pipe,
+    so it would wait for work forever (Linux's parent-death signal; elsewhere nothing)."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
 
 
 def _in_worker(label: str, source: SourceConfig, items: list) -> _Done:
@@ -260,7 +276,7 @@ class _Batches:
             return
         if self._pool is None:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
-                                             initializer=_set_worker, initargs=(self.work,))
+                                             initializer=_set_worker, initargs=(self.work, os.getpid()))
         pending: deque = deque()
         try:
             for chunk in (c for c in (first, second) if c is not None):
