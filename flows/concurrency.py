@@ -89,10 +89,12 @@ def check(pipeline: str) -> list[str]:
     with get_client(sync_client=True) as client:
         try:
             limit = client.read_global_concurrency_limit_by_name(name)
+            live, dead = _holders(client, pipeline)
+            lines = _release(client, pipeline, dead)
         except ObjectNotFound:
             return []
-        live, dead = _holders(client, pipeline)
-        lines = _release(client, pipeline, dead)
+        except Exception as err:  # the server unreachable: the next run checks again
+            return [f"{pipeline}: slot {name} not checked: no answer from {client.api_url} ({type(err).__name__})"]
         if live and limit.active_slots:
             lines.append(f"{pipeline}: slot {name} held by {_describe(live[0])}")
         elif limit.active_slots and not dead:

@@ -144,13 +144,18 @@ def test_a_slot_taken_with_no_holder_recorded_is_reset(prefect_server):
         assert _limit(client, "slot-lost").active_slots == 0
 
 
-def test_without_a_server_the_slot_is_not_taken(monkeypatch):
+def test_without_a_server_the_slot_is_not_taken_and_an_unreachable_one_is_said():
     from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.deployments import free_port
 
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         assert check("anything") == []
         with pipeline_slot("anything", ""):
             pass
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
+        [line] = check("anything")
+    assert "anything: slot flywheel-retrain-anything not checked: no answer from http://127.0.0.1:" in line
 
 
 @pytest.mark.slow
