@@ -11,8 +11,10 @@ Prefect cannot say who holds a slot, so the holder says it itself: its flow run 
 held through a lease that the holder renews every LEASE_S / 3 seconds: a holder that dies without letting go (its
 process killed) frees the slot within LEASE_S, when the server's repossessor revokes the lease. Sooner than that,
 the next run (or `flywheel status`) releases the slot of a holder whose flow run is already final (CRASHED,
-CANCELLED, FAILED, COMPLETED) by revoking its recorded lease; and a slot still taken with no holder recorded for
-UNCLAIMED_S (a server on in-memory lease storage lost the lease in a restart) is reset to free.
+CANCELLED, FAILED, COMPLETED) by revoking its recorded lease. A slot taken with no holder recorded is a holder
+between taking it and tagging itself (a second), or one killed in that second (its lease lapses within LEASE_S),
+or a lease the server lost (in-memory lease storage, Prefect's default, does not survive a restart) while its count
+stayed: a slot still taken that way after UNCLAIMED_S, longer than any lease can outlive its holder, is reset.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from flywheel.tags import SLOT_HOST_TAG_PREFIX, SLOT_LEASE_TAG_PREFIX, SLOT_TAG_
 
 log = logging.getLogger(__name__)
 LEASE_S = 120  # the server's minimum is 60; renewed every LEASE_S / 3, so two renewals may fail in a row
-UNCLAIMED_S = 10.0  # how long a holder may take between taking the slot and tagging its flow run
+UNCLAIMED_S = LEASE_S + 30.0  # past a lapsed lease's revocation (the repossessor looks every 15 s)
 _POLL_S = 2.0
 
 
@@ -144,6 +146,10 @@ def _acquire(client, pipeline: str, flow_run_id: str, wait: bool) -> UUID:
             client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
             unclaimed_since = None
             continue
+        elif not announced and time.monotonic() - unclaimed_since > 5:
+            print(f"slot {name} is taken and no flow run says it holds it (one killed as it started?): waiting for "
+                  f"it to free, at most {UNCLAIMED_S:.0f} s", flush=True)
+            announced = True
         time.sleep(_POLL_S if live else 1.0)
     if flow_run_id:
         run_id = UUID(flow_run_id)

@@ -127,10 +127,12 @@ def test_the_slot_of_a_killed_holder_is_released_once_its_flow_run_is_crashed(pr
                for r in caplog.records)
 
 
-def test_a_slot_taken_with_no_holder_recorded_is_reset(prefect_server):
-    """A slot counted as taken that no flow run claims (a server on in-memory leases lost them in a restart)."""
+def test_a_slot_taken_with_no_holder_recorded_is_reset(prefect_server, monkeypatch):
+    """A slot counted as taken that no flow run claims (a server on in-memory leases lost them in a restart); reset
+    after UNCLAIMED_S (LEASE_S and more: any lease behind it has lapsed by then; 10 s here)."""
     from prefect import get_client
 
+    monkeypatch.setattr("flows.concurrency.UNCLAIMED_S", 10.0)
     with get_client(sync_client=True) as client:
         run = _flow_run(client, "after-restart")
         with pipeline_slot("slot-lost", str(run.id)):

@@ -209,7 +209,8 @@ def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_kille
             checkpoints = project / "models/small/sft-checkpoints"
             deadline = time.monotonic() + 240
             while not (str(victim.id) in (held := record.read_text() if record.exists() else "")
-                       and any(checkpoints.glob("checkpoint-*/trainer_state.json"))):
+                       and any(checkpoints.glob("checkpoint-*/trainer_state.json"))
+                       and "flywheel.slot:small" in client.read_flow_run(victim.id).tags):  # it holds the slot
                 state = client.read_flow_run(victim.id).state
                 assert not state.is_final(), f"the victim run ended before an SFT checkpoint: {state}"
                 assert time.monotonic() < deadline, (f"the victim run never reached an SFT checkpoint within 240 s "
