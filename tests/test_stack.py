@@ -113,11 +113,12 @@ def _answers(check, timeout_s: float = 60):
 
 @pytest.mark.slow
 def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_killed_run(project, tmp_path):
-    """`flywheel stack up` on free ports; PostgreSQL restarted under both servers; a one-minute cron deployed with
-    `flywheel deploy` fires and a worker runs it; a run whose worker and process are killed is CRASHED, not
-    RUNNING, once `flywheel status` looks, and the next run resumes to the same outputs; two runs at once, one
-    refused; the Prefect server restarted mid-run; traces landing fire the trigger; two promotions at once leave
-    one champion; `flywheel stack down` leaves nothing running."""
+    """`flywheel stack up` on free ports; PostgreSQL stopped under both servers (`flywheel stack status` exits 1
+    naming it) and started again (status 0); a one-minute cron deployed with `flywheel deploy` fires and a worker
+    runs it, then is paused with nothing left running; a run whose worker and process are killed is CRASHED, not
+    RUNNING, and its pipeline slot released, once `flywheel status` looks, and the next run resumes to the same
+    outputs; two runs at once, one refused; the Prefect server restarted mid-run; traces landing fire the trigger;
+    two promotions at once leave one champion; `flywheel stack down` leaves nothing running."""
     from mlflow import MlflowClient
     from prefect import get_client
     from prefect.client.schemas.filters import (
