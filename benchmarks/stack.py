@@ -13,7 +13,8 @@ In a new project (a temporary git repo with DVC and the small test pipeline, as 
 4. a run whose process and workers are killed with SIGKILL 10 s after it started (after its first heartbeat),
    and no `flywheel status` after: the seconds until the stack's heartbeat automation marks it CRASHED.
 Each run is timed as the command's wall time. The last line is one JSON object. `--quick`: parts 1 and 2 only,
-with 5 SFT steps (the figures of 3 and 4 print as null).
+with 5 SFT steps (the figures of 3 and 4 print as null). Every wait has a deadline: past it the benchmark stops,
+saying what it waited for, and takes the stack down.
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' project maker: the same small pipeline they run
 
 
-def timed(command: list[str], cwd: Path, env: dict) -> float:
+def timed(command: list[str], cwd: Path, env: dict, timeout_s: float = 1200) -> float:
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    try:
+        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        sys.exit(f"`{' '.join(command)}` did not end within {timeout_s:.0f} s")
     if done.returncode != 0:
         sys.exit(f"`{' '.join(command)}` failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return time.perf_counter() - started
@@ -103,27 +107,34 @@ def main() -> None:
                 first = min(runs, key=lambda r: r.expected_start_time)
                 result["schedule_start_delay_s"] = round(
                     (first.start_time - first.expected_start_time).total_seconds(), 1)
-                while not client.read_flow_run(first.id).state.is_final():
-                    time.sleep(2)
-                [deployment] = client.read_deployments(deployment_filter=wanted)
-                client.pause_deployment(deployment.id)
+                # paused, and every run the cron fired has ended: none holds the lock when the victim starts
+                stack.pause_deployment(client, "retrain/small", timeout_s=600)
 
                 victim = run_deployment("retrain/small", parameters={"refresh": True}, timeout=0)
                 record = lock_path(project, "small")
+                deadline = time.monotonic() + 300
                 while str(victim.id) not in (record.read_text() if record.exists() else ""):
+                    state = client.read_flow_run(victim.id).state
+                    if state.is_final():
+                        sys.exit(f"the victim run ended before taking the lock: {state.name} {state.message}")
+                    if time.monotonic() > deadline:
+                        sys.exit(f"the victim run did not take the lock within 300 s ({state.name})")
                     time.sleep(0.2)
                 time.sleep(10)  # its first heartbeat sent: a run killed before any is left to status (README)
                 for name in [n for n in recorded.pids if n.startswith("worker-")]:
                     os.killpg(recorded.pids[name], signal.SIGKILL)
                 os.kill(json.loads(record.read_text())["pid"], signal.SIGKILL)
                 killed = time.monotonic()
-                while client.read_flow_run(victim.id).state.type != StateType.CRASHED:
+                while (state := client.read_flow_run(victim.id).state).type != StateType.CRASHED:
+                    if state.is_final():
+                        sys.exit(f"the killed run was marked {state.name}, not CRASHED: {state.message}")
                     if time.monotonic() - killed > 600:
-                        sys.exit("the killed run was not marked CRASHED within 600 s")
+                        sys.exit(f"the killed run was not marked CRASHED within 600 s (still {state.name})")
                     time.sleep(1)
                 result["crash_marked_s"] = round(time.monotonic() - killed, 1)
     finally:
-        subprocess.run([str(BIN / "flywheel"), "stack", "down"], cwd=project, env=base, capture_output=True)
+        subprocess.run([str(BIN / "flywheel"), "stack", "down"], cwd=project, env=base, capture_output=True,
+                       timeout=300)
         data = stack.data_folder(recorded)
         if data.parent.name.startswith("flywheel-stack-"):
             subprocess.run(["rm", "-rf", str(data.parent)])

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from prefect import flow, runtime
 
+from flows.concurrency import pipeline_slot
 from flows.names import RETRAIN_FLOW
 from flows.runlock import Holding, pipeline_lock, reap
 from flows.stage import run_stage
@@ -49,12 +50,11 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
         raise ValueError(f"stage_jobs has no job variables for {sorted(set(ORDER) - set(stage_jobs))}: give "
                          "every stage its own ({} for the pool's defaults)")
     flow_run_id = str(runtime.flow_run.id or "")
-    with pipeline_lock(root_path, pipeline, flow_run_id, wait) as holding:
+    with pipeline_lock(root_path, pipeline, flow_run_id, wait) as holding, \
+            pipeline_slot(pipeline, flow_run_id, wait):  # the file lock for this folder, the slot across machines
         for found in reap(root_path):  # runs of this project whose process died: stopped and marked as they ended
             if found.state == "dead":
                 print(found.line(), flush=True)
-        # Further holds of the pipeline (e.g. a Prefect concurrency limit across machines) go here, inside the
-        # file lock: a refused run has not started an MLflow run yet.
         return _stages(pipeline, root_path, cfg, student, refresh, push, list(restored or []), tags, promote,
                        stage_jobs, flow_run_id, holding)
 

@@ -39,9 +39,11 @@ S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "flywheel", "AWS_SECRET_ACCESS_KEY": "fly
                   "AWS_DEFAULT_REGION": "us-east-1"}
 SUPERUSER = "flywheel"
 WORKERS = 2
-# Prefect's scheduler tops up scheduled runs every 10 s (default 60): a new cron's runs exist within seconds
+# Prefect's scheduler tops up scheduled runs every 10 s (default 60): a new cron's runs exist within seconds; the
+# leases of concurrency slots (flows/concurrency.py) are kept on disk, not in memory, so a restart loses none
 PREFECT_SERVER_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                      "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "10"}
+                      "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "10",
+                      "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
 # What a worker and the flow runs it starts get beyond the client variables: heartbeats every 30 s (Prefect's
 # minimum; default 180) so that a run whose process died is marked CRASHED after HEARTBEAT_GRACE_S, and client
 # retries that outlast a Prefect server restart of a few minutes (8 retries, 2**n s apart: about 8.5 minutes).
@@ -226,23 +228,79 @@ def describe(stack: Stack) -> str:
         'use it from a shell: eval "$(flywheel stack env)"; then `flywheel deploy --pool cpu-pool`'])
 
 
-def status(root: Path) -> list[tuple[str, int, bool, str]]:
-    """(service, pid, running, detail) for each process of the recorded stack."""
+@dataclass(frozen=True)
+class Health:
+    """One process of the stack as `flywheel stack status` shows it."""
+
+    service: str
+    pid: int
+    state: str  # "running"; "STOPPED": its process is gone; "DOWN": it runs but cannot serve (its database)
+    detail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "running"
+
+
+# what each server is asked: its /health (which answers without a database), and a request that reads its
+# database (PostgreSQL)
+_CHECKS = {"prefect": ("/api/health", "/api/flow_runs/filter", {"limit": 1}),
+           "mlflow": ("/health", "/api/2.0/mlflow/experiments/search", {"max_results": 1})}
+
+
+def status(root: Path) -> list[Health]:
+    """Each process of the recorded stack: running or not, and whether PostgreSQL and the servers on it answer."""
     stack = load(root.resolve())
     if stack is None:
         raise StackError(f"no stack recorded under {stack_dir(root.resolve())}: `flywheel stack up` first")
-    checks = {"prefect": f"{stack.prefect_api}/health", "mlflow": f"{stack.mlflow_uri}/health"}
+    postgres_error = _postgres_error(stack) if alive(stack.pids.get("postgres", 0)) else "is not running"
+    urls = {"prefect": f"http://127.0.0.1:{stack.ports.prefect}", "mlflow": stack.mlflow_uri}
     rows = []
     for name, pid in stack.pids.items():
-        running = alive(pid)
-        detail = ""
-        if running and name in checks:
-            try:
-                detail = f"health {httpx.get(checks[name], timeout=3).status_code}"
-            except httpx.HTTPError as err:
-                detail = f"not answering ({type(err).__name__})"
-        rows.append((name, pid, running, detail))
+        if not alive(pid):
+            rows.append(Health(name, pid, "STOPPED", "`flywheel stack up` starts it again"))
+        elif name == "postgres":
+            rows.append(Health(name, pid, "DOWN", f"PostgreSQL {postgres_error}") if postgres_error else
+                        Health(name, pid, "running", f"accepting connections on 127.0.0.1:{stack.ports.postgres}"))
+        elif name in urls:
+            rows.append(_server_health(stack, name, pid, urls[name], postgres_error))
+        else:
+            rows.append(Health(name, pid, "running", ""))
     return rows
+
+
+def _postgres_error(stack: Stack) -> str | None:
+    """None if PostgreSQL answers a query on the stack's port; else what went wrong."""
+    import psycopg2
+
+    try:
+        connection = psycopg2.connect(host="127.0.0.1", port=stack.ports.postgres, user=SUPERUSER,
+                                      dbname="postgres", connect_timeout=3)
+    except psycopg2.Error as err:
+        return f"does not accept connections on 127.0.0.1:{stack.ports.postgres} ({str(err).strip()})"
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except psycopg2.Error as err:
+        return f"does not answer a query ({str(err).strip()})"
+    finally:
+        connection.close()
+    return None
+
+
+def _server_health(stack: Stack, name: str, pid: int, url: str, postgres_error: str | None) -> Health:
+    """A server's /health, and a request that needs its database: DOWN, naming PostgreSQL, when that fails."""
+    health_path, path, body = _CHECKS[name]
+    try:
+        health = httpx.get(f"{url}{health_path}", timeout=5).status_code
+        read = httpx.post(f"{url}{path}", json=body, timeout=20).status_code
+    except httpx.HTTPError as err:
+        return Health(name, pid, "DOWN", f"not answering ({type(err).__name__})")
+    if read == 200:
+        return Health(name, pid, "running", f"health {health}, database read {read} (POST {path})")
+    log = stack_dir(Path(stack.root)) / "logs" / f"{name}.log"
+    cause = f"its database, PostgreSQL, {postgres_error}" if postgres_error else f"PostgreSQL answers: see {log}"
+    return Health(name, pid, "DOWN", f"health {health}, but a database read fails (POST {path}: {read}): {cause}")
 
 
 def down(root: Path, say=print) -> None:
@@ -272,6 +330,36 @@ def restart_prefect(stack: Stack) -> None:
     _wait_http(f"{stack.prefect_api}/health", stack, "prefect")
 
 
+def pause_deployment(client, name: str, timeout_s: float = 600) -> None:
+    """Pause deployment `name` (e.g. `retrain/demo`) and wait until none of its flow runs is scheduled, pending or
+    running: scheduled ones are cancelled, started ones are let finish (a cron run fired just before the pause
+    would hold the pipeline's lock). StackError naming them after timeout_s."""
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelled
+
+    deployment = client.read_deployment_by_name(name)
+    client.pause_deployment(deployment.id)
+    unfinished = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.CANCELLING, StateType.PAUSED]
+    deadline = time.monotonic() + timeout_s
+    while runs := client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=unfinished)))):
+        for run in runs:
+            if run.state_type == StateType.SCHEDULED:
+                client.set_flow_run_state(run.id, Cancelled(message=f"deployment {name} paused"))
+        if time.monotonic() > deadline:
+            raise StackError(f"deployment {name} is paused, but after {timeout_s:.0f} s its flow runs "
+                             f"{', '.join(f'{r.name} ({r.state_type.value})' for r in runs)} have not ended")
+        time.sleep(2)
+
+
 def _start_prefect(stack: Stack) -> None:
     database = f"postgresql+asyncpg://prefect:prefect@127.0.0.1:{stack.ports.postgres}/prefect"
     stack.pids["prefect"] = _start(stack, "prefect", [
@@ -280,9 +368,14 @@ def _start_prefect(stack: Stack) -> None:
         "PREFECT_UI_API_URL": stack.prefect_api, **PREFECT_SERVER_ENV})
 
 
+def stop_postgres(stack: Stack) -> None:
+    """Stop PostgreSQL alone (a database lost under running servers); `up` starts it again."""
+    _as_owner(stack, [_pg("pg_ctl"), "-D", str(_pgdata(stack)), "-m", "fast", "-w", "stop"])
+
+
 def restart_postgres(stack: Stack) -> None:
     """Stop and start PostgreSQL (the fault a company sees on a database upgrade): clients must reconnect."""
-    _as_owner(stack, [_pg("pg_ctl"), "-D", str(_pgdata(stack)), "-m", "fast", "-w", "stop"])
+    stop_postgres(stack)
     stack.pids["postgres"] = 0
     _postgres(stack, lambda _: None)
     _save(stack)

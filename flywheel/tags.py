@@ -22,6 +22,11 @@ RERUN_OF_TAG = "flywheel.rerun_of"  # the recorded run a `flywheel rerun` ran ag
 RERUN_DATASETS_TAG = "flywheel.rerun.datasets"  # "identical" or "differ": the rerun's outputs against the run's
 RERUN_SCORES_TAG = "flywheel.rerun.scores"  # "within_noise" or "outside_noise"
 TRIGGER_TAG = "flywheel.trigger"  # a Prefect tag, on the retrain flow runs the trace sensor starts
+# Prefect tags on the retrain flow run holding its pipeline's slot on a Prefect server (flows/concurrency.py): the
+# pipeline, the slot's lease id and the holder's host each follow the prefix
+SLOT_TAG_PREFIX = "flywheel.slot:"
+SLOT_LEASE_TAG_PREFIX = "flywheel.lease:"
+SLOT_HOST_TAG_PREFIX = "flywheel.host:"
 
 
 def stage_state_tag(stage: str) -> str:

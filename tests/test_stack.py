@@ -93,6 +93,12 @@ def _outputs(project: Path) -> dict[str, str]:
         "registered": (registered["version"], registered["model_hash"])}  # its promotion reasons say what changed
 
 
+def _healthy(shown: subprocess.CompletedProcess) -> bool:
+    """`flywheel stack status` said every process runs and answers (else raises, for _answers to try again)."""
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    return True
+
+
 def _answers(check, timeout_s: float = 60):
     """check() once it stops raising (a server reconnecting); its last error if it never does."""
     deadline = time.monotonic() + timeout_s
@@ -107,11 +113,12 @@ def _answers(check, timeout_s: float = 60):
 
 @pytest.mark.slow
 def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_killed_run(project, tmp_path):
-    """`flywheel stack up` on free ports; PostgreSQL restarted under both servers; a one-minute cron deployed with
-    `flywheel deploy` fires and a worker runs it; a run whose worker and process are killed is CRASHED, not
-    RUNNING, once `flywheel status` looks, and the next run resumes to the same outputs; two runs at once, one
-    refused; the Prefect server restarted mid-run; traces landing fire the trigger; two promotions at once leave
-    one champion; `flywheel stack down` leaves nothing running."""
+    """`flywheel stack up` on free ports; PostgreSQL stopped under both servers (`flywheel stack status` exits 1
+    naming it) and started again (status 0); a one-minute cron deployed with `flywheel deploy` fires and a worker
+    runs it, then is paused with nothing left running; a run whose worker and process are killed is CRASHED, not
+    RUNNING, and its pipeline slot released, once `flywheel status` looks, and the next run resumes to the same
+    outputs; two runs at once, one refused; the Prefect server restarted mid-run; traces landing fire the trigger;
+    two promotions at once leave one champion; `flywheel stack down` leaves nothing running."""
     from mlflow import MlflowClient
     from prefect import get_client
     from prefect.client.schemas.filters import (
@@ -151,14 +158,26 @@ def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_kille
         env = base | recorded.client_env()
         shown = flywheel(env, "stack", "status")
         assert shown.returncode == 0 and shown.stdout.count("running") == 6, shown.stdout
-        assert "health 200" in shown.stdout
+        assert "health 200, database read 200" in shown.stdout
         exported = flywheel(base, "stack", "env").stdout
         assert f"export PREFECT_API_URL=http://127.0.0.1:{ports[0]}/api" in exported
 
-        # PostgreSQL restarted under both servers: they reconnect
-        stack.restart_postgres(recorded)
+        # PostgreSQL stopped under both servers: status says so, for it and for the servers that need it
+        stack.stop_postgres(recorded)
+        shown = flywheel(env, "stack", "status")
+        assert shown.returncode == 1, shown.stdout + shown.stderr
+        lines = {line.split()[0]: line for line in shown.stdout.splitlines()}
+        assert "STOPPED" in lines["postgres"] or "DOWN" in lines["postgres"], shown.stdout
+        for server in ("prefect", "mlflow"):
+            assert " DOWN " in lines[server] and "PostgreSQL" in lines[server], shown.stdout
+        # started again by `stack up`: both servers reconnect
+        again = flywheel(base, "stack", "up", "--prefect-port", ports[0], "--mlflow-port", ports[1], "--s3-port",
+                         ports[2], "--postgres-port", ports[3])
+        assert again.returncode == 0, again.stdout + again.stderr
+        recorded = stack.load(project)
         mlflow = MlflowClient(recorded.mlflow_uri)
         assert _answers(lambda: mlflow.create_experiment("after-restart"))
+        assert _answers(lambda: _healthy(flywheel(env, "stack", "status")), timeout_s=180)
         with temporary_settings({PREFECT_API_URL: recorded.prefect_api}), get_client(sync_client=True) as client:
             assert _answers(lambda: client.read_work_pool(stack.POOL)).type == "process"
 
@@ -181,7 +200,8 @@ def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_kille
             scheduled = _final(client, runs[0].id, timeout_s=420)
             assert scheduled.state.is_completed(), scheduled.state.message
             assert scheduled.deployment_id == deployment.id and scheduled.auto_scheduled
-            client.pause_deployment(deployment.id)  # no more minutes firing while the faults are tried
+            # no more minutes firing while the faults are tried, and none fired just before still running
+            stack.pause_deployment(client, "retrain/small", timeout_s=420)
             uninterrupted = _outputs(project)
 
             # a run whose workers and process are killed mid-SFT (a machine lost): status marks it CRASHED
@@ -189,10 +209,14 @@ def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_kille
             record = lock_path(project, "small")
             checkpoints = project / "models/small/sft-checkpoints"
             deadline = time.monotonic() + 240
-            while not (str(victim.id) in (record.read_text() if record.exists() else "")
-                       and any(checkpoints.glob("checkpoint-*/trainer_state.json"))):
-                assert time.monotonic() < deadline, "the run never reached an SFT checkpoint"
-                time.sleep(0.2)
+            while not (str(victim.id) in (held := record.read_text() if record.exists() else "")
+                       and any(checkpoints.glob("checkpoint-*/trainer_state.json"))
+                       and "flywheel.slot:small" in client.read_flow_run(victim.id).tags):  # it holds the slot
+                state = client.read_flow_run(victim.id).state
+                assert not state.is_final(), f"the victim run ended before an SFT checkpoint: {state}"
+                assert time.monotonic() < deadline, (f"the victim run never reached an SFT checkpoint within 240 s "
+                                                     f"({state.name}; lock record: {held!r})")
+                time.sleep(0.5)
             pid = json.loads(record.read_text())["pid"]
             for name in ("worker-0", "worker-1"):
                 os.killpg(recorded.pids[name], signal.SIGKILL)
@@ -202,6 +226,8 @@ def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_kille
             status = flywheel(env, "status", "small")
             assert f"small: the run pid {pid} on" in status.stdout, status.stdout + status.stderr
             assert client.read_flow_run(victim.id).state.type == StateType.CRASHED
+            # and the slot it held on the server (flows/concurrency.py) is released, not left to its lease
+            assert f"released slot flywheel-retrain-small of flow run {victim.id}" in status.stdout, status.stdout
 
             # workers back; two runs at once: one stops naming the other; the Prefect server restarts under the
             # other, which finishes, and its outputs are the uninterrupted run's, byte for byte

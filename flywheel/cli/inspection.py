@@ -153,6 +153,7 @@ def status(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.
            root: Path = ROOT) -> None:
     """The champion and challenger, the last runs with their gate, the data versions, the next scheduled run."""
     root = checked_root(root)
+    from flows.concurrency import check
     from flows.runlock import reap
     from flows.status import next_run
     from flywheel.status import pipeline_status
@@ -160,6 +161,8 @@ def status(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.
     cfg = pipeline_config(root, pipeline)
     for found in reap(root):  # runs of this project now, and those whose process died (marked here)
         typer.echo(found.line())
+    for line in check(pipeline):  # its slot on a Prefect server: the holder, or a dead holder's slot released
+        typer.echo(line)
     print_status(pipeline, pipeline_status(pipeline, last=last), next_run(pipeline, cfg.schedule).line)
 
 

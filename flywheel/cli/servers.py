@@ -170,13 +170,13 @@ def stack_down(root: Path = ROOT) -> None:
 @stack_app.command("status")
 @reported
 def stack_status(root: Path = ROOT) -> None:
-    """Each process of the stack: running or not, and the servers' health."""
+    """Each process of the stack: running or not; PostgreSQL and the servers on it answering or not (exit 1)."""
     from flows import stack
 
     rows = stack.status(checked_root(root))
-    for name, pid, running, detail in rows:
-        typer.echo(f"{name:<10} pid {pid:<8} {'running' if running else 'STOPPED'}  {detail}".rstrip())
-    if not all(running for _, _, running, _ in rows):
+    for row in rows:
+        typer.echo(f"{row.service:<10} pid {row.pid:<8} {row.state}  {row.detail}".rstrip())
+    if not all(row.ok for row in rows):
         raise typer.Exit(1)
 
 
