@@ -6,9 +6,9 @@ Two machines as one machine can make them: `flywheel stack up --workers 0` in ma
 moto's S3, the Prefect and MLflow servers) and two process workers on its pool `cpu-pool`, each in its own clone of
 the project at the same path, as two machines would hold it. Machine 1 is the checkout itself and serves the pool's
 `default` queue (the retrain flow, collect, synthesize, register); machine 2 runs in a private mount namespace
-(`unshare -m`, hence root) where a second clone is mounted over that path, and serves the `gpu` queue (sft, rl and
-evaluate: their `work_queue` in infra/k8s/stages.json). Neither sees the other's files: they share only the stack
-(DVC's S3 remote, Prefect's results in S3, the MLflow server).
+(`unshare -m`, hence root) where a second clone is mounted over that path (and a /var/tmp of its own over
+/var/tmp), and serves the `gpu` queue (sft, rl and evaluate: their `work_queue` in infra/k8s/stages.json). Neither
+sees the other's files: they share only the stack (DVC's S3 remote, Prefect's results in S3, the MLflow server).
 1. `flywheel deploy --job-per-stage --results s3://...`; retrain/small runs; which worker took each stage.
 2. The same pipeline in one folder with the embedded defaults (`flywheel run small`). A fresh clone of the
    deployed checkout (its dvc.lock committed) runs `dvc pull`: `dvc status` is clean but for register's
@@ -148,14 +148,18 @@ def main() -> None:
         for name, queue in WORKER_QUEUES.items():
             command = [str(BIN / "prefect"), "worker", "start", "--pool", stack.POOL, "--type", "process",
                        "--work-queue", queue, "--name", name]
-            if name == "machine-2":  # its own clone, mounted over the project's path where only it sees it
+            home = work / f"{name}-home"  # each machine's own home (caches) and Prefect home
+            if name == "machine-2":  # its own clone mounted over the project's path, its own /var/tmp (DVC's
+                # state and index, keyed by the repo's path), where only it sees them
+                (home / "var-tmp").mkdir(parents=True)
                 command = ["unshare", "-m", "--propagation", "private", "sh", "-c",
-                           'mount --bind "$1" "$2" && cd "$2" && shift 2 && exec "$@"', "sh", str(machine2),
-                           str(project), *command]
+                           'mount --bind "$1" "$2" && mount --bind "$3" /var/tmp && cd "$2" && shift 3 && exec "$@"',
+                           "sh", str(machine2), str(project), str(home / "var-tmp"), *command]
             logs[name] = work / f"{name}.log"
             with logs[name].open("wb") as log:
                 workers.append(subprocess.Popen(
-                    command, cwd=project, env=env | stack.WORKER_ENV | {"PREFECT_HOME": str(work / f"{name}-home")},
+                    command, cwd=project, env=env | stack.WORKER_ENV | {"HOME": str(home),
+                                                                        "PREFECT_HOME": str(home / "prefect")},
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         run([str(BIN / "flywheel"), "deploy", "--pool", stack.POOL, "--root", str(project), "--job-per-stage",
              "--results", f"s3://{stack.BUCKET}/prefect-results", "--stage-variables",

@@ -133,12 +133,11 @@ def run_as_job(name: str, kwargs: dict, refresh: bool, job_variables: dict,
     pipeline, root = kwargs["pipeline"], Path(kwargs["root"]).resolve()
     others = {k: v for k, v in kwargs.items() if k not in ("pipeline", "root")}
     variables = {k: v for k, v in job_variables.items() if k != QUEUE}
-    entries = dvc.pipeline_entries(root, pipeline) if dvc.is_repo(root) else {}
     deployment = stage_deployment(pipeline)
     try:
         flow_run = run_deployment(deployment, parameters={"name": name, "pipeline": pipeline, "root": str(root),
                                                           "kwargs": others, "refresh": refresh,
-                                                          "lock_entries": entries, "push": push},
+                                                          "lock_entries": handed(root, pipeline), "push": push},
                                   job_variables=variables, work_queue_name=job_variables.get(QUEUE),
                                   flow_run_name=f"{pipeline}-{name}", timeout=None, poll_interval=2)
     except ObjectNotFound:
@@ -147,7 +146,17 @@ def run_as_job(name: str, kwargs: dict, refresh: bool, job_variables: dict,
     if not flow_run.state.is_completed():
         raise StageJobError(f"stage {name} ran as flow run '{flow_run.name}' ({flow_run.id}), which ended "
                            f"{flow_run.state.name}: {flow_run.state.message}")
-    outcome = flow_run.state.result()
+    return received(root, name, pipeline, flow_run.state.result())
+
+
+def handed(root: Path, pipeline: str) -> dict[str, dict]:
+    """What the retrain flow hands a stage job: its dvc.lock entries of the pipeline's stages."""
+    return dvc.pipeline_entries(root, pipeline) if dvc.is_repo(root) else {}
+
+
+def received(root: Path, name: str, pipeline: str, outcome: dict) -> tuple[StageResult, bool]:
+    """What a stage job handed back (the `stage` flow's return), its dvc.lock entry recorded here, without the
+    files: (result, cached)."""
     if outcome.get("lock") is not None and dvc.is_repo(root):
         dvc.record(root, {f"{name}@{pipeline}": outcome["lock"]})
     return outcome["result"], outcome["cached"]
