@@ -109,6 +109,7 @@ def retrain(client, logs: dict[str, Path], timeout_s: float) -> tuple[object, fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 SFT steps")
+    parser.add_argument("--keep", action="store_true", help="keep the folders and the workers' logs")
     args = parser.parse_args()
 
     from conftest import SMALL_PIPELINE, make_project
@@ -210,7 +211,7 @@ def main() -> None:
         data = stack.data_folder(recorded)
         if data.parent.name.startswith("flywheel-stack-"):
             shutil.rmtree(data.parent, ignore_errors=True)
-        if done:
+        if done and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
         else:
             print(f"the folders and the workers' logs are kept in {work}", file=sys.stderr)

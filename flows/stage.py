@@ -20,6 +20,7 @@ In one shared folder (a ReadWriteMany volume, one machine) the same steps run an
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from prefect import flow
@@ -87,11 +88,17 @@ def stage(name: str, pipeline: str, root: str, kwargs: dict | None = None, refre
     if not dvc.is_repo(root_path):  # nothing to pull or push: the folder must be the retrain flow's own
         result, cached = run_here(name, stage_kwargs, refresh)
         return {"result": result, "cached": cached, "lock": None}
+    started = time.monotonic()
     pull_inputs(name, pipeline, root_path, lock_entries or {})
+    pulled = time.monotonic()
     result, cached = run_here(name, stage_kwargs, refresh)
+    ran = time.monotonic()
     dvc.commit(root_path, name, pipeline)  # always: the entry handed back must describe what is here now
     if push:
         dvc.push(root_path, name, pipeline)
+    print(f"{name} in {root_path}: pulled in {pulled - started:.1f}s, {'cached' if cached else 'ran'} in "
+          f"{ran - pulled:.1f}s, committed{' and pushed' if push else ''} in {time.monotonic() - ran:.1f}s",
+          flush=True)
     return {"result": result, "cached": cached, "lock": dvc.read_lock(root_path)[f"{name}@{pipeline}"]}
 
 
@@ -102,13 +109,21 @@ def upstream(name: str) -> list[str]:
 
 
 def pull_inputs(name: str, pipeline: str, root: Path, entries: dict[str, dict]) -> None:
-    """Record the retrain flow's dvc.lock `entries` here and pull what they name of stage `name`'s inputs, then
-    its own outputs (best effort: not in the remote, the stage runs)."""
+    """Record the retrain flow's dvc.lock `entries` here and pull what they name of stage `name`'s inputs, and its
+    own outputs (best effort: not in the remote, the stage runs). One DVC call when both are there."""
     if not entries:
         return  # started by hand, not by a retrain flow: the folder holds what it holds
     dvc.record(root, entries)
     inputs = [other for other in upstream(name) if f"{other}@{pipeline}" in entries]
-    if inputs:
+    wanted = inputs + ([name] if f"{name}@{pipeline}" in entries else [])
+    if not wanted:
+        return
+    try:
+        dvc.pull(root, wanted[0], pipeline, *wanted[1:])
+        return
+    except dvc.DvcError as err:
+        missed = err
+    if inputs:  # which was it: the inputs, or only the stage's own last outputs?
         try:
             dvc.pull(root, inputs[0], pipeline, *inputs[1:])
         except dvc.DvcError as err:
@@ -116,11 +131,7 @@ def pull_inputs(name: str, pipeline: str, root: Path, entries: dict[str, dict]) 
                 f"stage {name} of {pipeline} runs in {root}, which lacks its inputs (the outputs of "
                 f"{', '.join(inputs)}), and DVC could not pull them: {err}. Stage jobs that share no folder need a "
                 "DVC remote every worker reaches (`dvc remote add -d`, committed) and runs that push") from None
-    if f"{name}@{pipeline}" in entries:
-        try:
-            dvc.pull(root, name, pipeline)
-        except dvc.DvcError as err:
-            print(f"{name}: its last outputs could not be pulled into {root}, so it runs ({err})", flush=True)
+    print(f"{name}: its last outputs could not be pulled into {root}, so it runs ({missed})", flush=True)
 
 
 def run_as_job(name: str, kwargs: dict, refresh: bool, job_variables: dict,
