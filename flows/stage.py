@@ -110,7 +110,8 @@ def upstream(name: str) -> list[str]:
 
 def pull_inputs(name: str, pipeline: str, root: Path, entries: dict[str, dict]) -> None:
     """Record the retrain flow's dvc.lock `entries` here and pull what they name of stage `name`'s inputs, and its
-    own outputs (best effort: not in the remote, the stage runs). One DVC call when both are there."""
+    own last outputs (best effort: where they cannot be pulled, run_here runs the stage). One DVC call when all
+    can be pulled."""
     if not entries:
         return  # started by hand, not by a retrain flow: the folder holds what it holds
     dvc.record(root, entries)
@@ -131,7 +132,8 @@ def pull_inputs(name: str, pipeline: str, root: Path, entries: dict[str, dict]) 
                 f"stage {name} of {pipeline} runs in {root}, which lacks its inputs (the outputs of "
                 f"{', '.join(inputs)}), and DVC could not pull them: {err}. Stage jobs that share no folder need a "
                 "DVC remote every worker reaches (`dvc remote add -d`, committed) and runs that push") from None
-    print(f"{name}: its last outputs could not be pulled into {root}, so it runs ({missed})", flush=True)
+    print(f"{name}: its last outputs could not be pulled into {root} ({missed}); it runs unless they are here",
+          flush=True)
 
 
 def run_as_job(name: str, kwargs: dict, refresh: bool, job_variables: dict,
