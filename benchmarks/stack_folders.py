@@ -69,25 +69,15 @@ def md5s(project: Path, pipeline: str) -> dict[str, str]:
     return found
 
 
-def wait_final(client, flow_run_id, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        flow_run = client.read_flow_run(flow_run_id)
-        if flow_run.state and flow_run.state.is_final():
-            return flow_run
-        if time.monotonic() > deadline:
-            sys.exit(f"flow run {flow_run_id} still {flow_run.state.name} after {timeout_s:.0f} s")
-        time.sleep(2)
-
-
 def retrain(client, logs: dict[str, Path], timeout_s: float) -> tuple[object, float, dict[str, str]]:
     """retrain/small on the pool, waited for: (its summary, wall seconds, stage -> the worker that ran it)."""
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.deployments import run_deployment
+    from test_servers import _final  # a flow run's final state, with a deadline
 
     started = time.perf_counter()
     flow_run = run_deployment("retrain/small", timeout=0)
-    final = wait_final(client, flow_run.id, timeout_s)
+    final = _final(client, flow_run.id, timeout_s)
     took = time.perf_counter() - started
     if not final.state.is_completed():
         sys.exit(f"retrain/small ended {final.state.name}: {final.state.message}\n"
