@@ -36,6 +36,7 @@ def _job(name: str, folder: Path, coordinator: Path, push: bool = True):
     return received(coordinator, name, "small", outcome)
 
 
+@pytest.mark.slow
 def test_stages_in_folders_of_their_own_move_their_data_through_the_dvc_remote(project, prefect_server, tmp_path):
     from flows.stage import StageJobError
     from flywheel.data import dvc
@@ -75,3 +76,26 @@ def test_stages_in_folders_of_their_own_move_their_data_through_the_dvc_remote(p
     with pytest.raises(StageJobError, match=r"stage synthesize of small runs in .*four, which lacks its inputs "
                                             r"\(the outputs of collect\), and DVC could not pull them"):
         _job("synthesize", elsewhere, unpushed)
+
+
+def test_each_stage_pulls_what_it_reads_and_goes_to_its_queue(tmp_path):
+    """The stages a job pulls from (tasks/spec.py), and the work queue stages.json sends it to (not a job
+    variable): the GPU stages to `gpu`, where only a GPU machine's worker need listen."""
+    import json
+
+    from conftest import REPO
+
+    from flows.deployments import DeployError, stage_job_variables
+    from flows.stage import QUEUE, upstream
+
+    assert upstream("collect") == [] and upstream("sft") == ["synthesize"]
+    assert upstream("evaluate") == ["collect", "synthesize", "sft", "rl"]
+    assert upstream("register") == ["collect", "rl", "evaluate"]
+
+    shipped = stage_job_variables(REPO / "infra/k8s/stages.json")
+    assert {name: variables.get(QUEUE) for name, variables in shipped.items()} == {
+        "collect": None, "synthesize": None, "sft": "gpu", "rl": "gpu", "evaluate": "gpu", "register": None}
+    bad = json.loads((REPO / "infra/k8s/stages.json").read_text()) | {"rl": {"work_queue": 1}}
+    (tmp_path / "stages.json").write_text(json.dumps(bad))
+    with pytest.raises(DeployError, match=r"stages\.json: `work_queue` of stage\(s\) rl is not a queue name"):
+        stage_job_variables(tmp_path / "stages.json")
