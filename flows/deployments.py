@@ -9,8 +9,9 @@ and flywheel deployments the file no longer asks for are deleted.
   has no scheduler, so `local_server` starts `prefect server start` under `.flywheel/prefect` when no
   PREFECT_API_URL is set.
 - `deploy(root, pool)`: deployments on a work pool of a real server, code from the project root
-  (`flow.from_source(root, ...)`; a process worker runs them in that folder). With `stage_jobs` (from
-  infra/k8s/stages.json) `retrain/P` starts each stage as a `stage/P` flow run with that stage's job variables.
+  (`flow.from_source(root, ...)`; a process worker runs them in that folder: on each machine its own checkout at
+  that path). With `stage_jobs` (from infra/k8s/stages.json) `retrain/P` starts each stage as a `stage/P` flow run
+  with that stage's job variables, on its `work_queue`; the jobs need no shared folder (flows/stage.py).
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ RESULTS_BLOCK = "flywheel-results"  # the RemoteFileSystem block that holds Pref
 
 
 def stage_job_variables(path: Path) -> dict[str, dict]:
-    """Each stage's job variables from a file like infra/k8s/stages.json (keys other than stages are left out)."""
+    """Each stage's job variables from a file like infra/k8s/stages.json (keys other than stages are left out).
+
+    A stage's `work_queue` is no job variable: its flow run goes to that queue of the pool (flows/stage.py), so
+    that only the workers serving it (`prefect worker start --work-queue gpu` on a GPU machine) take the stage."""
     try:
         found = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -48,6 +52,11 @@ def stage_job_variables(path: Path) -> dict[str, dict]:
     if missing:
         raise DeployError(f"{path}: no job variables (an object) for stage(s) {', '.join(missing)}; give every "
                           f"stage of {', '.join(ORDER)} one ({{}} for the pool's defaults)")
+    queues = [name for name in ORDER if not isinstance(found[name].get("work_queue", "default"), str)
+              or not found[name].get("work_queue", "default")]
+    if queues:
+        raise DeployError(f"{path}: `work_queue` of stage(s) {', '.join(queues)} is not a queue name; give the "
+                          "name of the pool's work queue the stage goes to (e.g. \"gpu\"), or leave it out")
     return {name: found[name] for name in ORDER}
 
 

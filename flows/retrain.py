@@ -26,7 +26,7 @@ from flywheel.tags import (
     stage_state_tag,
 )
 from flywheel.train.students import StudentChoice, resolve_student
-from tasks.spec import STAGES, output_hashes
+from tasks.spec import output_hashes
 
 
 @flow(name=RETRAIN_FLOW, log_prints=False)
@@ -82,19 +82,13 @@ def _stages(pipeline: str, root_path: Path, cfg, student: StudentChoice, refresh
                 parent.tags({stage_state_tag(name): "restored"})
                 print(f"[{number}/{len(ORDER)}] {name} restored from DVC, not run", flush=True)
                 continue
-            outputs_missing = not all(p.exists() for p in STAGES[name].out_paths(root_path, pipeline))
             kwargs = {"pipeline": pipeline, "root": str(root_path), "parent_run_id": parent.run_id,
                       **options.get(name, {})}
             jobs = stage_jobs[name] if stage_jobs is not None else None
             print(f"[{number}/{len(ORDER)}] {name} ...", flush=True)
-            result, cached = run_stage(name, kwargs, refresh or outputs_missing, jobs)
-            if cached and result.outputs != output_hashes(name, pipeline, root_path):
-                # the cache is right about the inputs, but the workspace holds other outputs (another config's
-                # run, a manual edit): make them again rather than hand stale files downstream
-                print(f"[{number}/{len(ORDER)}] {name}: outputs on disk differ from the cached run's; rerunning")
-                result, cached = run_stage(name, kwargs, True, jobs)
-            if use_dvc and (not cached or not dvc.lock_hashes(root_path, name, pipeline)):
-                dvc.commit(root_path, name, pipeline)
+            # the stage runs where its outputs go (here, or a job's own checkout), checks a cached result against
+            # the outputs there, and is in dvc.lock after (flows/stage.py)
+            result, cached = run_stage(name, kwargs, refresh, jobs, push)
             if not cached:
                 ran.append(name)
             results[name] = result
@@ -103,7 +97,7 @@ def _stages(pipeline: str, root_path: Path, cfg, student: StudentChoice, refresh
             print(f"[{number}/{len(ORDER)}] {name} {'cached' if cached else 'done'} in {took:.1f}s", flush=True)
         # the datasets and models the candidate came from (register tags its version with the same)
         parent.tags(dvc.lineage_tags(root_path, pipeline, ORDER[:-1]))
-        if use_dvc and push and ran:
+        if use_dvc and push and ran and stage_jobs is None:  # a stage job pushes its own outputs
             dvc.push(root_path)
         if use_dvc:
             registry.record_lock(parent, dvc.read_lock(root_path), pipeline)

@@ -82,7 +82,10 @@ TOOL_SUBCOMMANDS = ["prefect server start", "prefect worker start", "prefect wor
 # Benchmarks whose --quick form cannot run here either (none today: gpu_check.py --quick runs its path on the CPU).
 NOT_RUN_HERE: dict[str, str] = {
     "stack.py": "tests/test_stack.py starts the same stack and does the same runs and faults (its --quick form "
-                "would add 90 s to a suite at its 15-minute budget)"}
+                "would add 90 s to a suite at its 15-minute budget)",
+    "stack_folders.py": "a stack, two workers and three runs of the pipeline: 7-9 minutes even --quick, and root for "
+                        "its mount namespace; tests/test_stage_folders.py runs stage jobs in folders of their own "
+                        "in the suite"}
 # Benchmarks whose full form needs a GPU: `make bench` (CPU) leaves them out; their --quick form runs here.
 GPU_ONLY = {"gpu_check.py": "its full form exits 1 without a CUDA GPU"}
 # The keys of each benchmark's JSON line that the README's figures are read from.
@@ -111,6 +114,8 @@ FIGURES = {
                  "concurrent_p95_s", "generate_p50_s", "generate_p95_s", "concurrent_ratio"},
     "stack.py": {"stack_up_s", "cached_run_embedded_s", "cached_run_stack_s", "ratio", "schedule_start_delay_s",
                  "crash_marked_s"},
+    "stack_folders.py": {"stack_up_s", "stages_on", "files_identical", "two_folder_run_s", "one_folder_run_s", "ratio",
+                         "cached_rerun_s", "cached_rerun_ran"},
     "opd.py": {"sft_success", "rl_success", "opd_success", "opd_minus_sft_lower", "opd_lift_shown", "rl_lift_shown",
                "opd_minus_rl", "opd_episodes", "rl_episodes", "opd_generated_tokens", "rl_generated_tokens",
                "opd_trained_tokens", "rl_trained_tokens", "opd_wall_s", "rl_wall_s", "opd_to_rl_generated_tokens",

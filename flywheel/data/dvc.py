@@ -51,9 +51,9 @@ def status(root: Path) -> dict:
     return json.loads(_dvc(root, "status", "--json") or "{}")
 
 
-def push(root: Path) -> None:
-    """Push committed outputs to the default remote."""
-    _dvc(root, "push")
+def push(root: Path, stage: str | None = None, pipeline: str = "") -> None:
+    """Push committed outputs to the default remote: every one, or only those of `stage@pipeline`."""
+    _dvc(root, "push", *([f"{stage}@{pipeline}"] if stage else []))
 
 
 def checkout(root: Path, stage: str, pipeline: str) -> None:
@@ -61,9 +61,10 @@ def checkout(root: Path, stage: str, pipeline: str) -> None:
     _dvc(root, "checkout", "--force", f"{stage}@{pipeline}")
 
 
-def pull(root: Path, stage: str, pipeline: str) -> None:
-    """Fetch `stage@pipeline`'s outputs as dvc.lock records them from the remote, then check them out."""
-    _dvc(root, "pull", "--force", f"{stage}@{pipeline}")
+def pull(root: Path, stage: str, pipeline: str, *more: str) -> None:
+    """Fetch `stage@pipeline`'s outputs (and those of the `more` stages) as dvc.lock records them from the remote,
+    then check them out over whatever the workspace holds there."""
+    _dvc(root, "pull", "--force", *[f"{name}@{pipeline}" for name in (stage, *more)])
 
 
 def fetch(root: Path, stage: str, pipeline: str) -> None:
@@ -121,6 +122,21 @@ def write_lock(root: Path, stages: dict[str, dict]) -> Path:
     path = root / LOCK_FILE
     path.write_text(yaml.safe_dump({"schema": "2.0", "stages": stages}, sort_keys=False))
     return path
+
+
+def record(root: Path, entries: dict[str, dict]) -> None:
+    """Put these `stage@pipeline` entries into the project's dvc.lock, the others kept as they are: how an entry
+    committed in another folder (a stage job's) is recorded here, without its outputs. Under DVC's own repo lock,
+    so that no `dvc commit` of another run writes the file meanwhile."""
+    from dvc.repo import Repo
+
+    with _LOCK, Repo(str(root)) as repo, repo.lock:
+        write_lock(root, read_lock(root) | entries)
+
+
+def pipeline_entries(root: Path, pipeline: str) -> dict[str, dict]:
+    """The dvc.lock entries of one pipeline's stages (`collect@<pipeline>`, ...)."""
+    return {key: entry for key, entry in read_lock(root).items() if key.endswith(f"@{pipeline}")}
 
 
 def lock_hashes(root: Path, stage: str, pipeline: str) -> dict[str, str]:
