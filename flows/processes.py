@@ -111,12 +111,21 @@ def start_prefect_server(record: Callable[..., None]):
     return server
 
 
-def stop_started(server=None, grace_s: float = 5.0) -> list[int]:
+def running_children() -> set[int]:
+    """This process's descendants now: what a command run in a longer-lived process (a notebook, a test) finds
+    already running, and so did not start and leaves alone (`stop_started(spared=...)`)."""
+    return set(_descendants(os.getpid(), _tree()))
+
+
+def stop_started(server=None, grace_s: float = 5.0, spared: set[int] = frozenset()) -> list[int]:
     """End every process this one started that still runs (their children, and any carrying this run's mark
-    whose parent went first), then Prefect's temporary `server`: what was ended, by pid."""
+    whose parent went first), but those in `spared` (running before the command began), then Prefect's temporary
+    `server`: what was ended, by pid."""
     server_pid = server.server_process.pid if server is not None and server.server_process is not None else None
     tree = _tree()
-    keep = {os.getpid(), server_pid, *_descendants(server_pid, tree)} if server_pid else {os.getpid()}
+    keep = {os.getpid()}
+    for pid in [*spared, server_pid] if server_pid else spared:  # each with what it started itself
+        keep |= {pid, *_descendants(pid, tree)}
     found = [pid for pid in _descendants(os.getpid(), tree) if pid not in keep]
     if os.environ.get(RUN_MARK):
         found += [pid for pid in marked(os.environ[RUN_MARK]) if pid not in keep and pid not in found]

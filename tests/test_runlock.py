@@ -397,3 +397,24 @@ def test_prefect_server_start_timing_out_says_what_to_set(project):
     assert "set PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS higher" in error and "PREFECT_API_URL" in error
     assert "bug" not in failed.stderr
     assert _left(project, []) == [] and reap(project) == []
+
+
+def test_a_run_in_a_longer_lived_process_stops_what_it_started_and_spares_what_ran_before(tmp_path):
+    """`flywheel run` called in a process that already runs children of its own (a notebook's server, the test
+    session's Prefect server): its failure ends what it started, never those."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    demo = yaml.safe_load((Path(__file__).resolve().parent.parent / "pipelines.yaml").read_text())["pipelines"]["demo"]
+    demo["student"] |= {"tiny": {"max_position_embeddings": 64}}  # the prompt does not fit: the checks fail
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"demo": demo}}))
+    before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        ran = CliRunner().invoke(app, ["run", "demo", "--root", str(tmp_path)])  # under its lock, then fails
+        assert ran.exit_code == 2 and "context of 64 tokens" in " ".join(ran.output.split()), ran.output
+        assert before.poll() is None, "the caller's own child process was ended by the command"
+    finally:
+        before.kill()
+        before.wait()

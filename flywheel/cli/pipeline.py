@@ -26,12 +26,13 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yam
         wait: bool = typer.Option(False, "--wait", help="If the pipeline is already running here, start when it "
                                   "ends (default: stop, naming the running one).")) -> None:
     """Run the retrain flow: collect, synthesize, sft, rl, evaluate, register."""
-    from flows.processes import Stopped, start_prefect_server, stop_on_signals, stop_started
+    from flows.processes import Stopped, running_children, start_prefect_server, stop_on_signals, stop_started
     from flows.runlock import pipeline_lock, reap
 
     root = checked_root(root)
     cfg = pipeline_config(root, pipeline)
     holding = server = settled = None
+    spared = running_children()  # a caller's own processes (a notebook's, a test's Prefect server) are not ours
     try:
         # the lock first: a second run stops here within seconds, before any check or server starts
         with stop_on_signals(), pipeline_lock(root, pipeline, wait=wait) as holding:
@@ -47,7 +48,7 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yam
                 settled = holding.settle(err)  # what the flow could not report, while the server is up
                 raise
             finally:
-                stop_started(server)  # every process it started, Prefect's server last
+                stop_started(server, spared=spared)  # every process it started, Prefect's server last
     except Stopped as stop:
         if holding is None:
             said = "nothing was started"
