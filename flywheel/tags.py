@@ -56,6 +56,8 @@ TRACE_SLICE_TAG = "flywheel.slice"
 TRACE_SPLIT_TAG = "flywheel.split"  # "heldout" (evaluate) or "train" (rl)
 TRACE_SAMPLE_TAG = "flywheel.sample"  # 0: the greedy episode; 1..k the sampled ones
 TRACE_STOP_TAG = "flywheel.stop"  # how the episode ended (flywheel.agent: answer, max_turns, budget, ...)
+TRACE_STEP_TAG = "flywheel.rl_step"  # an RL episode: the learner step it was made for
+TRACE_VERSION_TAG = "flywheel.behaviour_version"  # an RL episode: the policy version that generated it
 TRACES_ERROR_TAG = "flywheel.traces_error"  # on a run: why its episodes' traces could not be written
 
 

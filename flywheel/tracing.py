@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flywheel.agent import Episode
+from flywheel.contract import Environment
+from flywheel.policies.base import Completion
+from flywheel.registry import Run
 from flywheel.tags import (
     PIPELINE_TAG,
     STAGE_TAG,
@@ -43,6 +46,7 @@ from flywheel.tags import (
     TRACE_SPLIT_TAG,
     TRACE_STOP_TAG,
     TRACE_TASK_TAG,
+    TRACES_ERROR_TAG,
 )
 
 log = logging.getLogger(__name__)
@@ -98,6 +102,53 @@ def episode_trace(episode: Episode, *, model: str, tools: list[dict], kind: str,
                                  "turns": episode.turns},
                         spans=conversation_spans(episode.messages, prompt, episode.completions, tools),
                         tags=tags, feedback=feedback, source=f"rubric:{rubric}")
+
+
+def log_episodes(entries: Sequence[tuple[str, Episode, dict]], run: Run, pipeline: str, env: Environment,
+                 kind: str, split: str) -> int:
+    """Write a trace of each (model label, episode, extra tags) to the run's experiment, linked to the run; how
+    many were written (also the run's metric `traces`).
+
+    Traces say how episodes went; they decide nothing. A store that refuses them is a warning and the run's tag
+    `flywheel.traces_error`, never a failed stage."""
+    if not entries:
+        return 0
+    tools = env.tools()
+    pending = []
+    for label, episode, extra in entries:
+        trace = episode_trace(episode, model=label, tools=tools, kind=kind, pipeline=pipeline, rubric=env.name,
+                              split=split)
+        trace.tags.update({key: str(value) for key, value in extra.items()})
+        pending.append(trace)
+    try:
+        written = write(pending, run_id=run.run_id)
+    except Exception as err:  # noqa: BLE001 -- a tracking store's errors vary; the stage's numbers stand
+        log.warning("the %s run %s: its episodes' traces were not written: %s: %s", kind, run.run_id,
+                    type(err).__name__, err)
+        run.tags({TRACES_ERROR_TAG: f"{type(err).__name__}: {err}"[:5000]})
+        return 0
+    run.metrics({"traces": len(written)})
+    return len(written)
+
+
+def spread(items: Sequence, cap: int) -> list:
+    """At most `cap` of the items, evenly spaced from the first (RL's kept episodes over the steps)."""
+    if cap <= 0 or not items:
+        return []
+    stride = -(-len(items) // cap)
+    return list(items[::stride])[:cap]
+
+
+def lean(episode: Episode) -> Episode:
+    """The episode without its token ids and log-probabilities (what a trace needs, small to send between
+    processes): each turn keeps its message, error, usage (generated tokens counted) and latency."""
+    turns = [Completion(message=c.message, error=c.error, latency_s=c.latency_s,
+                        usage={**c.usage, "completion_tokens": len(c.token_ids) if c.token_ids is not None
+                               else int(c.usage.get("completion_tokens", 0))})
+             for c in episode.completions]
+    return Episode(task=episode.task, sample=episode.sample, messages=episode.messages, reward=episode.reward,
+                   passed=episode.passed, breakdown=episode.breakdown, turns=episode.turns, stop=episode.stop,
+                   completions=turns)
 
 
 def conversation_spans(messages: list[dict], start: int, completions: Sequence, tools: list[dict]) -> list[SpanSpec]:
