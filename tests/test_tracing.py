@@ -13,8 +13,11 @@ from typer.testing import CliRunner
 
 from flywheel import registry
 from flywheel.agent import Harness, Limits
-from flywheel.config import load_pipeline
+from flywheel.config import CollectConfig, load_pipeline
+from flywheel.data.collection import collect
 from flywheel.data.mlflow_traces import trace_record
+from flywheel.data.redaction import Redactor
+from flywheel.data.sources import readers
 from flywheel.envs import load_environment
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.evaluate.runner import evaluate_policy
@@ -125,6 +128,9 @@ def test_the_cap_traces_failed_episodes_first_tagged_by_model_and_a_tool_error_i
     [tool] = [s for s in by_model["bad"][0].data.spans if s.span_type == "TOOL"]
     assert tool.status.status_code == "ERROR" and tool.outputs.startswith("Error:")
     assert tool.inputs == {"expression": "1 +"}
+    # held-out episodes never become training data, even from a source that reads the pipeline's experiment
+    cfg = CollectConfig(sources=["mlflow:calc"])
+    assert collect(readers(cfg, tmp_path), cfg, Redactor(cfg.redact)).traces == []
     # none: nothing written; the run says how many when there are some
     assert log_traces(scored, registry.start_run(tmp_path, "calc", "evaluate"), "calc", env, cap=0) == 0
     assert registry.client().get_run(run.run_id).data.metrics["traces"] == 9

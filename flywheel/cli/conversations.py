@@ -10,6 +10,7 @@ import pandas as pd
 import typer
 
 SHOWN = ("failed", "passed", "all")
+_SYSTEM_LINES = 4  # of a system prompt, the rest counted
 _ROLE = {"user": typer.colors.CYAN, "assistant": typer.colors.GREEN, "tool": typer.colors.MAGENTA,
          "system": typer.colors.BRIGHT_BLACK}
 
@@ -59,9 +60,12 @@ def conversation_lines(messages: list[dict], width: int = 100) -> list[tuple[str
             function = call.get("function") or {}
             names[call.get("id")] = function.get("name", "")
             body.append(f"-> {function.get('name')}({function.get('arguments') or ''})")
-        lines.append((f"{speaker}:", role))
+        said = []
         for part in body or ["(empty)"]:
             for paragraph in part.splitlines() or [""]:
                 wrapped = textwrap.wrap(paragraph, width - 4, break_long_words=True, replace_whitespace=False)
-                lines += [(f"    {w}", role) for w in wrapped or [""]]
+                said += [f"    {w}" for w in wrapped or [""]]
+        if role == "system" and len(said) > _SYSTEM_LINES:  # the policy an agent runs under: long, the same
+            said = said[:_SYSTEM_LINES] + [f"    ... ({len(said) - _SYSTEM_LINES} more lines)"]
+        lines += [(f"{speaker}:", role)] + [(line, role) for line in said]
     return lines
