@@ -56,7 +56,7 @@ def test_eval_prints_the_table_with_the_null_row_and_logs_a_run(project, tiny_st
     import mlflow
 
     traces = mlflow.search_traces(locations=[run.info.experiment_id], run_id=run_id, return_type="list")
-    counts = table.groupby("model").size().clip(upper=100).to_dict()
+    counts = table.groupby("model").size().clip(upper=8).to_dict()  # the small pipeline's evaluate.trace_episodes
     assert pd.Series([t.info.tags["flywheel.model"] for t in traces]).value_counts().to_dict() == counts
     assert {t.info.tags["flywheel.trace"] for t in traces} == {"eval"}
 
