@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/chat/completions (tools, tool_choice, parallel_tool_calls, n, temperature, top_p, max_tokens or
 max_completion_tokens, stop, seed, stream, stream_options; see chat.py for what tool_choice does), GET /v1/models,
-GET /health (the version served), POST /v1/feedback ({id, outcome | score}). Every error is OpenAI's error body.
+GET /health (the version served), POST /v1/feedback ({id, outcome | score}; with --mlflow-traces also assessments
+on the answer's trace). Every error is OpenAI's error body.
 
 The alias is followed: the registry is polled every `poll_s` seconds (and at once on SIGHUP); a new version is
 downloaded and loaded completely before it replaces the old one, and a request keeps the model it started
@@ -214,13 +215,20 @@ def create_app(follower: AliasFollower, traffic: TrafficLog | None, traced: Mlfl
             raise RequestError(f"outcome must be one of {', '.join(OUTCOMES)}, not {outcome!r}", param="outcome")
         if score is not None and (isinstance(score, bool) or not isinstance(score, int | float)):
             raise RequestError(f"score must be a number, not {score!r}", param="score")
-        if traffic is None:
+        if traffic is None and traced is None:
             raise RequestError("this server records no traffic (started with --no-record)", status=409)
-        try:
-            await run_in_threadpool(traffic.label, answer_id, outcome, score)
-        except UnknownAnswer:
+        found = False
+        if traffic is not None:
+            try:
+                await run_in_threadpool(traffic.label, answer_id, outcome, score)
+                found = True
+            except UnknownAnswer:
+                pass
+        if traced is not None:  # also an assessment on its MLflow trace
+            found = await run_in_threadpool(traced.label, answer_id, outcome, score) or found
+        if not found:
             raise RequestError(f"no answer with id '{answer_id}' was recorded by this server", param="id",
-                               code="not_found", status=404) from None
+                               code="not_found", status=404)
         return {"id": answer_id, "labelled": True}
 
     return app

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import threading
 from collections import OrderedDict
 from datetime import UTC, datetime
@@ -30,6 +32,7 @@ log = logging.getLogger("flywheel.serve")
 
 OUTCOMES = ("accepted", "rejected", "unknown")
 _REMEMBERED = 50_000  # answers kept in memory for labelling; older ones are found by reading the files
+_ANSWER_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")  # a completion id this server made
 _REQUEST_KEYS = ("model", "temperature", "top_p", "n", "max_tokens", "max_completion_tokens", "seed", "tool_choice")
 
 
@@ -139,3 +142,22 @@ class MlflowTraffic:
             return None
         self.recorded += 1
         return trace_id
+
+    def label(self, answer_id: str, outcome: str | None = None, score: float | None = None) -> bool:
+        """A `/v1/feedback` verdict as assessments `outcome` and `score` on the answer's trace (what a reviewer
+        gives in MLflow's UI); False when no trace here has that completion id."""
+        from mlflow.entities import AssessmentSource, Feedback
+        from mlflow.tracing.client import TracingClient
+
+        if not _ANSWER_ID.match(answer_id):  # it goes into a search filter
+            return False
+        client = TracingClient(os.environ.get("MLFLOW_TRACKING_URI"))
+        found = client.search_traces(locations=[self.experiment_id], max_results=1, include_spans=False,
+                                     filter_string=f"attributes.client_request_id = '{answer_id}'")
+        if not found:
+            return False
+        source = AssessmentSource(source_type="HUMAN", source_id="serve-model /v1/feedback")
+        for name, value in (("outcome", outcome), ("score", score)):
+            if value is not None:
+                client.log_assessment(found[0].info.trace_id, Feedback(name=name, value=value, source=source))
+        return True
