@@ -48,6 +48,19 @@ REWARD_HACKING_REASON_TAG = "flywheel.reward_hacking_reason"
 RL_NO_UPDATES_TAG = "flywheel.rl_no_updates"  # RL's word that it changed nothing
 
 
+# --- MLflow traces (flywheel/tracing.py): an evaluated or RL episode, or a served request -------------------------
+TRACE_KIND_TAG = "flywheel.trace"  # "evaluate", "eval" (`flywheel eval`), "rl" or "served"
+TRACE_MODEL_TAG = "flywheel.model"  # the model's label in the eval table (null, base, sft, rl, champion, ...)
+TRACE_TASK_TAG = "flywheel.task_id"
+TRACE_SLICE_TAG = "flywheel.slice"
+TRACE_SPLIT_TAG = "flywheel.split"  # "heldout" (evaluate) or "train" (rl)
+TRACE_SAMPLE_TAG = "flywheel.sample"  # 0: the greedy episode; 1..k the sampled ones
+TRACE_STOP_TAG = "flywheel.stop"  # how the episode ended (flywheel.agent: answer, max_turns, budget, ...)
+TRACE_STEP_TAG = "flywheel.rl_step"  # an RL episode: the learner step it was made for
+TRACE_VERSION_TAG = "flywheel.behaviour_version"  # an RL episode: the policy version that generated it
+TRACES_ERROR_TAG = "flywheel.traces_error"  # on a run: why its episodes' traces could not be written
+
+
 def out_tag(output: str) -> str:
     """The tag holding the content hash of a stage's output (a path under the root) or a stage's whole folder."""
     return f"flywheel.out.{output}"

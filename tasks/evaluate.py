@@ -19,6 +19,7 @@ from flywheel.evaluate.arms import Arm, checkpoint_arm, null_arm, reference_arm,
 from flywheel.evaluate.gate import BASELINES, GateDecision, decide
 from flywheel.evaluate.report import model_scores, plot_slices, reference_shares, slice_scores
 from flywheel.evaluate.runner import check_contamination, require_heldout, synthetic_prompt_hashes
+from flywheel.evaluate.traces import log_traces
 from flywheel.metrics import GATE_COST_SAVING, GATE_COST_SAVING_LOW, GATE_REFUSED, pass_rate_name, score_name
 from flywheel.stages import GateReport, StageResult
 from flywheel.tags import GATE_REFUSED_TAG, gate_tag, out_tag
@@ -89,6 +90,7 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
                  | ({GATE_REFUSED_TAG: "; ".join(decision.refusals)[:5000]} if decision.refusals else {}))
         run.artifact(gate_path)
         publish_eval_report(pipeline, report)
+        log_traces(scored, run, pipeline, stage.env, cfg.evaluate.trace_episodes)  # the episodes, for people to read
         return stage.done(scores, gate=report)
 
 

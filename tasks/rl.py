@@ -12,7 +12,14 @@ from flywheel.data.tasksets import row_task
 from flywheel.errors import UserFacingError
 from flywheel.metrics import final_metrics
 from flywheel.stages import StageResult
-from flywheel.tags import REWARD_HACKING_REASON_TAG, REWARD_HACKING_TAG, RL_NO_UPDATES_TAG
+from flywheel.tags import (
+    REWARD_HACKING_REASON_TAG,
+    REWARD_HACKING_TAG,
+    RL_NO_UPDATES_TAG,
+    TRACE_STEP_TAG,
+    TRACE_VERSION_TAG,
+)
+from flywheel.tracing import log_episodes, spread
 from flywheel.train.rl.loop import NO_UPDATES_FILE, no_update_warning, train_rl
 from flywheel.train.rl.monitor import MONITOR_FILE, Monitor, audit_sample
 from flywheel.train.rl.objective import objective_of
@@ -37,6 +44,7 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
         if cfg.rl.monitor_every and cfg.rl.steps:  # audited on held-out tasks, which it never trains on
             heldout = [row_task(r) for r in table.to_dict("records") if r["split"] == "heldout"]
             monitor = Monitor(harness, audit_sample(heldout, cfg.rl.monitor_tasks), cfg.rl)
+        traced: list = []  # (step, version, episode) of each step's first task: MLflow traces at the end
         if cfg.rl.steps == 0:  # RL switched off: the candidate is the SFT model itself
             shutil.rmtree(out_dir, ignore_errors=True)
             shutil.copytree(catalog.model_dir("sft"), out_dir)
@@ -47,7 +55,7 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
             rows, summary = train_rl(catalog.model_dir("sft"), harness, tasks, cfg.rl, out_dir,
                                      device=cfg.student.device,
                                      on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"), monitor=monitor,
-                                     teacher=teacher)
+                                     teacher=teacher, traced=traced)
         catalog.write("rollouts", pd.DataFrame(rows, columns=list(Rollouts.to_schema().columns)))
         report_path = catalog.stage_dir("rl") / MONITOR_FILE
         report_path.unlink(missing_ok=True)
@@ -58,6 +66,9 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
                      | ({REWARD_HACKING_REASON_TAG: report["reason"][:5000]} if report["flagged"] else {}))
             publish_monitor_report(pipeline, report)
         run.metrics(final_metrics(summary))
+        log_episodes([("rl", episode, {TRACE_STEP_TAG: step, TRACE_VERSION_TAG: version})
+                      for step, version, episode in spread(traced, cfg.rl.trace_rollouts)],
+                     run, pipeline, stage.env, kind="rl", split="train")
         # RL switched off (steps 0) is asked for; RL that ran and changed nothing is said, or an error if asked
         warning = no_update_warning(summary, catalog.model_dir("sft"), out_dir) if cfg.rl.steps else ""
         catalog.write_json("rl", NO_UPDATES_FILE, {"warning": warning})

@@ -42,7 +42,7 @@ pipelines:
     synthesize: {samples_per_task: 1}
     sft: {steps: 60, batch_size: 16, lr: 3.0e-3, warmup_steps: 5, max_length: 128, seed: 0}
     rl: {steps: 2, tasks_per_step: 4, group_size: 2, temperature: 1.0, lr: 1.0e-5, seed: 0}
-    evaluate: {}
+    evaluate: {trace_episodes: 8}  # MLflow traces per model: a few keep the many runs of this pipeline fast
     gate: {min_score: 0.0, mode: non_inferior, margin: 0.5, max_slice_regression: 1.0,
            check_null: false, check_ceiling: false, check_flat_slices: false}
 """

@@ -23,7 +23,7 @@ def test_eval_prints_the_table_with_the_null_row_and_logs_a_run(project, tiny_st
     heldout = int((catalog.read("tasks")["split"] == "heldout").sum())
     out = CliRunner().invoke(app, ["eval", "small", "--policy", str(tiny_student), "--policy", "prod=openai:oracle",
                                    "--base-url", openai_server.url, "--price-input", "2.5", "--price-output", "10",
-                                   "--root", str(project)])
+                                   "--show", "failed", "-n", "1", "--root", str(project)])
     assert out.exit_code == 0, out.output
     text = out.output
     assert f"pipeline 'small': {heldout} held-out tasks (greedy)" in text
@@ -47,6 +47,18 @@ def test_eval_prints_the_table_with_the_null_row_and_logs_a_run(project, tiny_st
     assert (table.groupby("model")["task_id"].nunique() == heldout).all()
     assert (table.loc[table["model"] == "prod", "cost_usd"] > 0).all()
     assert (table.loc[table["model"] != "prod", "cost_usd"] == 0).all()  # the students are unpriced here
+
+    # --show failed: one failed conversation (the untrained student's; the oracle fails none), then the count
+    failed = table[~table["passed"] & (table["model"] != "null")]
+    assert text.count(" · task ") == 1 and f"── {tiny_student.name} · task " in text and "(failed)" in text
+    assert f"1 of {len(failed)} failed episode(s) shown from MLflow run {run_id}" in text
+    # each episode an MLflow trace of the eval run, up to evaluate.trace_episodes per model, failed first
+    import mlflow
+
+    traces = mlflow.search_traces(locations=[run.info.experiment_id], run_id=run_id, return_type="list")
+    counts = table.groupby("model").size().clip(upper=8).to_dict()  # the small pipeline's evaluate.trace_episodes
+    assert pd.Series([t.info.tags["flywheel.model"] for t in traces]).value_counts().to_dict() == counts
+    assert {t.info.tags["flywheel.trace"] for t in traces} == {"eval"}
 
 
 def test_eval_refuses_an_empty_held_out_set_and_bad_specs_before_loading_a_model(project):

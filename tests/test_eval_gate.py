@@ -80,6 +80,24 @@ def test_a_run_that_learned_nothing_is_refused_and_says_so(project, prefect_serv
     assert evaluated.metrics["reference_oracle_cost_share"] == pytest.approx(oracle["cost_share"])
     assert evaluated.metrics["reference_dying_unanswered"] == broken["unanswered"]
     assert "the null policy" in evaluated.tags["flywheel.gate_refused"]
+
+    # every held-out episode of every arm is an MLflow trace of the evaluate run, with the rubric's verdict
+    import mlflow
+
+    from flywheel.data.catalog import Catalog
+
+    evaluate_run = parent.data.tags["stage.evaluate.run_id"]
+    table = Catalog(project, "small").read("eval")
+    traces = mlflow.search_traces(locations=[parent.info.experiment_id], run_id=evaluate_run, return_type="list")
+    assert sorted((t.info.tags["flywheel.model"], t.info.tags["flywheel.task_id"]) for t in traces) == sorted(
+        zip(table["model"], table["task_id"], strict=True))
+    assert {t.info.tags["flywheel.split"] for t in traces} == {"heldout"}
+    passed = dict(zip(zip(table["model"], table["task_id"], strict=True), table["passed"], strict=True))
+    for trace in traces:
+        verdict = {a.name: a.value for a in trace.info.assessments}
+        assert verdict["passed"] == passed[trace.info.tags["flywheel.model"], trace.info.tags["flywheel.task_id"]]
+        assert "reward" in verdict and any(name.startswith("rubric.") for name in verdict)
+    assert evaluated.metrics["traces"] == len(table)
     rl_run = parent.data.tags["stage.rl.run_id"]
     assert client.get_run(rl_run).data.tags["flywheel.rl_no_updates"] == summary.warnings[0]
     assert [m.value for m in client.get_metric_history(rl_run, "skipped_group_share")] == [1.0, 1.0]

@@ -39,6 +39,8 @@ LAYERS = (
     ("flywheel.envs",),
     # the one episode loop
     ("flywheel.agent",),
+    # its episodes (and served requests) as MLflow traces
+    ("flywheel.tracing",),
     # what runs the loop: teacher synthesis, SFT and RL, the held-out evaluation and its gate, an environment's
     # dry run (`flywheel check --solve`)
     ("flywheel.synthesis", "flywheel.train", "flywheel.evaluate", "flywheel.dryrun"),

@@ -450,6 +450,21 @@ def test_sft_rl_and_evaluate_run_on_replay_tasks_with_no_user_code(tmp_path, mlf
     gate = json.loads((root / "data/bank/evaluate/gate.json").read_text())
     assert "replay/bank" in {row["slice"] for row in gate["slice_scores"]}
     assert len(catalog.read("rollouts")) > 0
+    # every held-out episode an MLflow trace of the evaluate run, the user's turns among its spans; RL's first
+    # task of each step (its group of 2) traces of the rl run
+    import mlflow
+
+    from flywheel import registry
+
+    parent = registry.client().get_run(result.run_id)
+    evaluated_traces, rl_traces = (
+        mlflow.search_traces(locations=[parent.info.experiment_id], run_id=parent.data.tags[f"stage.{stage}.run_id"],
+                             return_type="list") for stage in ("evaluate", "rl"))
+    assert len(evaluated_traces) == len(evaluated)
+    assert any(s.span_type == "USER" for t in evaluated_traces for s in t.data.spans)
+    assert len(rl_traces) == 2 and {t.info.tags["flywheel.split"] for t in rl_traces} == {"train"}
+    assert {t.info.tags["flywheel.rl_step"] for t in rl_traces} == {"0"}
+    assert all({"reward", "passed"} <= {a.name for a in t.info.assessments} for t in rl_traces)
 
 
 def test_beside_another_environment_its_verifiable_traces_stay_its_own(tmp_path, mlflow_store):

@@ -230,6 +230,64 @@ def test_served_traffic_is_collected_with_its_version_and_labels(server, tmp_pat
     assert len(again.traces) == len(first.traces)
 
 
+def test_served_answers_as_mlflow_traces_bring_feedback_given_in_mlflow_back_through_collect(uri, tmp_path):
+    import mlflow
+    from mlflow.entities import AssessmentSource
+
+    from flywheel import registry
+    from flywheel.agent import Harness, Limits
+    from flywheel.config import CollectConfig
+    from flywheel.data.collection import collect
+    from flywheel.data.redaction import Redactor
+    from flywheel.data.sources import readers
+    from flywheel.policies.base import Sampling
+    from flywheel.policies.openai import OpenAIPolicy
+    from flywheel.serving.server import ModelServer
+
+    env = CalculatorEnv()
+    with ModelServer(NAME, poll_s=60, device="cpu", mlflow_experiment="served-traces", root=tmp_path) as running:
+        policy = OpenAIPolicy(model=NAME, base_url=running.url, concurrency=2, max_retries=0)
+        episodes = Harness(env, Limits(max_turns=3)).run(policy, list(islice(env.generate_tasks(7), 3)),
+                                                         sampling=Sampling(temperature=0.0, max_new_tokens=48))
+        health = httpx.get(running.url.removesuffix("/v1") + "/health").json()
+        requests = sum(e.turns for e in episodes)
+        assert health["mlflow_traces"] == requests and health["recorded"] == 0  # no folder given: MLflow only
+        experiment = registry.client().get_experiment_by_name("served-traces").experiment_id
+        traces = mlflow.search_traces(locations=[experiment], return_type="list")
+        assert len(traces) == requests and {t.info.tags["flywheel.model"] for t in traces} == {"v1"}
+        answered = [e for e in episodes if e.stop == "answer"]
+        assert answered, "no episode ended with an answer; the tiny student should answer after the tool result"
+        episode = answered[0]
+
+        def said(trace) -> dict:
+            return next(s for s in trace.data.spans if s.span_type == "CHAT_MODEL").outputs["choices"][0]["message"]
+
+        final = next(t for t in traces if said(t).get("content") == episode.messages[-1]["content"]
+                     and next(s for s in t.data.spans if s.span_type == "CHAT_MODEL").inputs["messages"]
+                     == episode.messages[:-1])
+        assert final.info.client_request_id.startswith("chatcmpl-")
+
+        # a reviewer's verdict given in MLflow's UI is an assessment on the trace: the client logs the same;
+        # the server's /v1/feedback writes one too (a score here), without any traffic folder
+        mlflow.log_feedback(trace_id=final.info.trace_id, name="outcome", value="rejected",
+                            source=AssessmentSource(source_type="HUMAN", source_id="reviewer@example.com"),
+                            rationale="the answer does not say the tool's result")
+        labelled = httpx.post(running.url + "/feedback", json={"id": final.info.client_request_id, "score": 0.25})
+        assert labelled.status_code == 200, labelled.text
+        unknown = httpx.post(running.url + "/feedback", json={"id": "chatcmpl-none", "outcome": "accepted"})
+        assert unknown.status_code == 404
+    cfg = CollectConfig(sources=["mlflow:served-traces"])
+    found = collect(readers(cfg, tmp_path), cfg, Redactor(cfg.redact))
+    row = next(r for r in found.traces if r["record_id"] == final.info.trace_id)
+
+    def plain(messages: list[dict]) -> list[dict]:  # the client sends a tool-call turn's empty content as null
+        return [{**m, "content": m.get("content") or ""} for m in messages]
+
+    assert (row["outcome"], row["score"]) == ("rejected", 0.25)
+    assert plain(json.loads(row["messages"])) == plain(episode.messages)
+    assert [r["outcome"] for r in found.traces].count("rejected") == 1, found.traces
+
+
 def test_the_backend_is_transformers_without_vllm_and_a_gpu():
     from flywheel.serving.server import ServeError, choose_backend
 

@@ -1,8 +1,9 @@
 """The `flywheel` command (Typer), above everything: free to call flows and stages.
 
 app.py holds the Typer apps and shared options; errors.py how a failed command reports; preflight.py the checks
-before run, check and eval; render.py what the commands print; pipeline.py, inspection.py and servers.py the
-commands themselves. `flywheel --help` lists them from their docstrings.
+before run, check and eval; render.py what the commands print (conversations.py: the episodes `eval --show`
+prints); pipeline.py, inspection.py and servers.py the commands themselves. `flywheel --help` lists them from
+their docstrings.
 """
 
 from __future__ import annotations

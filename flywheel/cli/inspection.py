@@ -24,8 +24,10 @@ from flywheel.cli.render import print_eval, print_status
 RUN_IDS = typer.Argument(None, help="MLflow run ids of retrain runs, or their first characters as the tables "
                                     "print them (default: the last N).")
 HTML = typer.Option(None, "--html", help="Also write an HTML report with plots to this file.")
-POLICY = typer.Option(..., "--policy", help="[LABEL=]SPEC, repeatable: a checkpoint folder, models:/NAME/VERSION, "
+POLICY = typer.Option(None, "--policy", help="[LABEL=]SPEC, repeatable: a checkpoint folder, models:/NAME/VERSION, "
                       "models:/NAME@ALIAS, @ALIAS (this pipeline's model), openai:MODEL or null.")
+MODELS = typer.Option(None, "--model", help="With --show: the model labels shown (repeatable; default: rl, the "
+                      "candidate).")
 
 PANEL = "Check and look"  # where `flywheel --help` lists these commands
 
@@ -123,8 +125,15 @@ def eval_policies(pipeline: str = typer.Argument(..., help="Pipeline name in pip
                                                      "completion tokens."),
                   samples: int | None = typer.Option(None, "--samples", min=0, help="Sampled episodes per task "
                                                      "beside the greedy one (default: evaluate.samples)."),
+                  show: str | None = typer.Option(None, "--show", help="Print the conversations of the failed, "
+                                                  "passed or all episodes: of this eval with --policy, else of the "
+                                                  "pipeline's last evaluate stage."),
+                  count: int = typer.Option(3, "-n", min=1, help="With --show: how many conversations."),
+                  model: list[str] | None = MODELS,
                   root: Path = ROOT) -> None:
-    """Score policies on a pipeline's held-out tasks without training, beside the null policy; an MLflow run."""
+    """Score policies on a pipeline's held-out tasks without training, beside the null policy (an MLflow run,
+    each episode a trace); or, with --show and no --policy, print episodes of the last evaluate stage."""
+    from flywheel.cli.conversations import SHOWN
     from flywheel.config import ReferenceConfig
     from flywheel.data.catalog import DataError
     from flywheel.evaluate.adhoc import evaluate_policies
@@ -133,6 +142,14 @@ def eval_policies(pipeline: str = typer.Argument(..., help="Pipeline name in pip
 
     root = checked_root(root)
     cfg = pipeline_config(root, pipeline)
+    if show is not None and show not in SHOWN:
+        fail(f"--show {show}: show one of {', '.join(SHOWN)}")
+    if not policy:
+        if show is None:
+            fail("name a policy to score with --policy (repeatable), or --show failed to read the last evaluate "
+                 f"stage's episodes of '{pipeline}'")
+        _show_stage_eval(root, pipeline, show, count, model)
+        return
     endpoint = {"base_url": base_url, "api_key_env": api_key_env, "price_input_per_mtok": price_input,
                 "price_output_per_mtok": price_output, "cache": None}
     try:
@@ -145,6 +162,37 @@ def eval_policies(pipeline: str = typer.Argument(..., help="Pipeline name in pip
     except (NoHeldoutError, SpecError, DataError) as err:
         fail(str(err))
     print_eval(result, pipeline)
+    if show is not None:
+        from flywheel.cli.conversations import chosen, print_conversations
+
+        rows = chosen(result.table, show, model, count)
+        print_conversations(rows, _matching(result.table, show, model), show, f"MLflow run {result.run_id}")
+
+
+def _show_stage_eval(root: Path, pipeline: str, show: str, count: int, models: list[str] | None) -> None:
+    """`flywheel eval PIPELINE --show ...`: episodes of the pipeline's eval table (data/<pipeline>/evaluate)."""
+    from flywheel.cli.conversations import chosen, print_conversations
+    from flywheel.data.catalog import Catalog, DataError
+
+    catalog = Catalog(root, pipeline)
+    path = catalog.table_path("eval")
+    if not path.exists():
+        fail(f"pipeline '{pipeline}' has no eval table yet ({path}): run `flywheel run {pipeline}` first, or score "
+             "policies with --policy")
+    try:
+        table = catalog.read("eval")
+    except DataError as err:
+        fail(f"{err}; `flywheel run {pipeline}` writes it again")
+    unknown = sorted(set(models or []) - set(table["model"]))
+    if unknown:
+        fail(f"--model {', '.join(unknown)}: {path} has the models {', '.join(dict.fromkeys(table['model']))}")
+    print_conversations(chosen(table, show, models, count), _matching(table, show, models), show, str(path))
+
+
+def _matching(table, show: str, models: list[str] | None) -> int:
+    from flywheel.cli.conversations import chosen
+
+    return len(chosen(table, show, models, len(table)))
 
 
 @app.command(rich_help_panel=PANEL)

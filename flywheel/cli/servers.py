@@ -129,14 +129,21 @@ def serve_model(pipeline: str = typer.Argument(..., help="Pipeline name (the reg
                 backend: str = typer.Option("auto", "--backend", help="auto (vLLM with the gpu extra on a GPU, "
                                             "else transformers), hf or vllm."),
                 device: str = typer.Option("auto", "--device", help="hf backend: auto, cpu, cuda or cuda:N."),
+                mlflow_traces: bool = typer.Option(False, "--mlflow-traces", help="Also write every answer as an "
+                                                   "MLflow trace, where feedback given in MLflow's UI comes back "
+                                                   "through a collect source `mlflow: EXPERIMENT`."),
+                mlflow_experiment: str | None = typer.Option(None, "--mlflow-experiment", help="With "
+                                                             "--mlflow-traces: the experiment (default: "
+                                                             "<pipeline>-served)."),
                 root: Path = ROOT) -> None:
     """Serve the version behind an alias over the OpenAI protocol; its answers become traces collect reads."""
     from flywheel.serving.server import ServeError, serve, traces_folder
 
     root = checked_root(root)
     folder = (traces or traces_folder(root, pipeline)) if record else None
+    experiment = (mlflow_experiment or f"{pipeline}-served") if mlflow_traces else None
     try:
-        serve(pipeline, alias, host, port, folder, poll_s, backend, device)
+        serve(pipeline, alias, host, port, folder, poll_s, backend, device, experiment, root)
     except ServeError as err:
         fail(str(err))
 

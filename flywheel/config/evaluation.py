@@ -38,6 +38,9 @@ class EvaluateConfig(Section):
     # and the registry tags say what share of a reference's pass rate the candidate reaches, at what share of its
     # cost per task. The students' cost per task uses these prices (USD per million tokens; 0: unpriced).
     references: list[ReferenceConfig] = []
+    # Each episode scored becomes an MLflow trace linked to the evaluate run (docs/traces.md): at most this many
+    # per model, failed episodes first, written together at the end of the stage; 0: none
+    trace_episodes: int = Field(100, ge=0)
     student_price_input_per_mtok: float = Field(0.0, ge=0)
     student_price_output_per_mtok: float = Field(0.0, ge=0)
 

@@ -222,6 +222,9 @@ class RLConfig(Section):
     # empty: every actor on student.device.
     actor_devices: list[str] = []
     checkpoint_every: int = Field(5, ge=0)  # learner steps between resumable checkpoints; 0: none
+    # MLflow traces of RL episodes linked to the rl run (docs/traces.md): the samples of each step's first task,
+    # spread over the run, at most this many; 0: none
+    trace_rollouts: int = Field(32, ge=0)
     # The learning rate over the run: constant, or after `warmup_steps` (linear from 0) a cosine or linear decay
     # to lr * min_lr_ratio at the last step. Per learner step, so a resumed run continues the same schedule.
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"

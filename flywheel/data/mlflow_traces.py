@@ -18,8 +18,11 @@ from datetime import UTC, datetime
 
 from flywheel.config import SourceConfig
 from flywheel.data.shapes import BadRecord, SourceError
+from flywheel.tags import TRACE_KIND_TAG
 
 CHAT_SPANS = {"CHAT_MODEL", "LLM"}
+# the project's own episodes (flywheel/tracing.py) in a pipeline's experiment: never traffic to learn from
+EPISODE_KINDS = {"evaluate", "eval", "rl"}
 LOOKBACK_MS = 3_600_000  # an agent run longer than an hour that finishes late is read in full re-collects only
 _PAGE = 500
 
@@ -70,7 +73,7 @@ class MlflowReader:
                 continue
             read[info.trace_id] = info.request_time
             newest = max(newest, info.request_time)
-            if info.trace_id in seen:
+            if info.trace_id in seen or (info.tags or {}).get(TRACE_KIND_TAG) in EPISODE_KINDS:
                 continue
             location = f"mlflow:{self.source.mlflow}/{info.trace_id}"
             try:

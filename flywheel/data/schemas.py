@@ -98,3 +98,4 @@ class Eval(Strict):
     tokens: Series[int] = pa.Field(ge=0)  # generated tokens over the episode: the cost the gate can limit
     latency_s: Series[float] = pa.Field(ge=0)  # generation wall time over the episode
     cost_usd: Series[float] = pa.Field(ge=0)  # at the policy's token prices (0: unpriced)
+    messages: Series[str] = pa.Field(str_startswith="[")  # JSON text: the whole conversation, OpenAI chat format

@@ -23,6 +23,7 @@ from flywheel.data.tasksets import row_task
 from flywheel.evaluate.arms import SpecError, null_arm, score_arm, spec_arm
 from flywheel.evaluate.report import model_scores
 from flywheel.evaluate.runner import NoHeldoutError, require_heldout
+from flywheel.evaluate.traces import log_traces
 from flywheel.metrics import pass_rate_name, score_name
 from flywheel.tags import policy_tag
 
@@ -80,6 +81,7 @@ def evaluate_policies(pipeline: str, root: Path, cfg: PipelineConfig, specs: lis
             (Path(tmp) / "scores.json").write_text(json.dumps(json.loads(models.to_json(orient="records")),
                                                               indent=2))
             run.artifact(Path(tmp), "eval")
+        log_traces(scored, run, pipeline, harness.env, cfg.evaluate.trace_episodes, kind="eval")
     except BaseException:
         run.end(ok=False)
         raise

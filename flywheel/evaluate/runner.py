@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flywheel.agent import Episode, Harness
@@ -35,6 +35,7 @@ class Scored:
     """One policy's rows of the eval table, and what was left out of them."""
 
     rows: list[dict]
+    episodes: list[Episode] = field(default_factory=list)  # the rows' episodes, in order (their MLflow traces)
     user_errors: int = 0  # episodes whose simulated user failed: they say nothing about the policy
     unanswered: int = 0  # tasks the policy never answered (an endpoint that failed past its retries)
     failure: str = ""  # why, for the unanswered ones
@@ -67,6 +68,7 @@ def evaluate_policy(policy: Policy, harness: Harness, tasks: list[Task], label: 
             continue
         scored.user_errors += sum(not e.scored for e in episodes)
         scored.rows += [_row(label, e, prices) for e in episodes if e.scored]
+        scored.episodes += [e for e in episodes if e.scored]
     return scored
 
 
@@ -92,7 +94,8 @@ def _row(label: str, episode: Episode, prices: tuple[float, float]) -> dict:
     return {"model": label, "task_id": episode.task.task_id, "sample": episode.sample, "reward": episode.reward,
             "passed": episode.passed, "slice": episode.task.slice, "tokens": episode.tokens,
             "latency_s": float(sum(c.latency_s for c in episode.completions)),
-            "cost_usd": (prompt * prices[0] + episode.tokens * prices[1]) / 1e6}
+            "cost_usd": (prompt * prices[0] + episode.tokens * prices[1]) / 1e6,
+            "messages": json.dumps(episode.messages, ensure_ascii=False)}
 
 
 def check_contamination(heldout: list[Task], training: dict[str, Iterable[str]],

@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/chat/completions (tools, tool_choice, parallel_tool_calls, n, temperature, top_p, max_tokens or
 max_completion_tokens, stop, seed, stream, stream_options; see chat.py for what tool_choice does), GET /v1/models,
-GET /health (the version served), POST /v1/feedback ({id, outcome | score}). Every error is OpenAI's error body.
+GET /health (the version served), POST /v1/feedback ({id, outcome | score}; with --mlflow-traces also assessments
+on the answer's trace). Every error is OpenAI's error body.
 
 The alias is followed: the registry is polled every `poll_s` seconds (and at once on SIGHUP); a new version is
 downloaded and loaded completely before it replaces the old one, and a request keeps the model it started
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException
 from flywheel import registry
 from flywheel.errors import UserFacingError
 from flywheel.serving.chat import ChatEngine, RequestError, parse_request, stream_chunks
-from flywheel.serving.traffic import OUTCOMES, TrafficLog, UnknownAnswer
+from flywheel.serving.traffic import OUTCOMES, MlflowTraffic, TrafficLog, UnknownAnswer
 
 log = logging.getLogger("flywheel.serve")
 
@@ -131,8 +132,9 @@ class AliasFollower:
         return Loaded(version, ChatEngine.from_checkpoint(checkpoint, backend=self.backend, device=self.device))
 
 
-def create_app(follower: AliasFollower, traffic: TrafficLog | None):
-    """The FastAPI app: chat completions, models, health, feedback; errors in OpenAI's error shape."""
+def create_app(follower: AliasFollower, traffic: TrafficLog | None, traced: MlflowTraffic | None = None):
+    """The FastAPI app: chat completions, models, health, feedback; errors in OpenAI's error shape. `traced`:
+    every answer also an MLflow trace."""
     app = FastAPI(title=f"flywheel serve-model {follower.name}@{follower.alias}")
     names = {follower.name, f"{follower.name}@{follower.alias}"}
 
@@ -170,11 +172,15 @@ def create_app(follower: AliasFollower, traffic: TrafficLog | None):
                                f"{' or '.join(sorted(names))}", param="model", code="model_not_found", status=404)
         parsed = parse_request(body)
         loaded = follower.current  # this request's model, whatever the alias does meanwhile
+        started = time.monotonic()
         response = await run_in_threadpool(loaded.answer, parsed, follower.name)
+        latency_s = time.monotonic() - started
         served = {"model": follower.name, "alias": follower.alias, "version": loaded.version.version}
         response["system_fingerprint"] = f"{follower.name}-v{loaded.version.version}"
         if traffic is not None:
             await run_in_threadpool(traffic.record, body, response, served)
+        if traced is not None:
+            await run_in_threadpool(traced.record, body, response, served, latency_s)
         if parsed.stream:
             chunks = stream_chunks(response, parsed.include_usage)
             events = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
@@ -194,7 +200,8 @@ def create_app(follower: AliasFollower, traffic: TrafficLog | None):
         return {"status": "ok", "model": follower.name, "alias": follower.alias, "version": loaded.version.version,
                 "model_hash": loaded.version.model_hash, "backend": follower.backend, "swaps": follower.swaps,
                 "last_error": follower.last_error,
-                "recorded": traffic.recorded if traffic else 0, "labelled": traffic.labelled if traffic else 0}
+                "recorded": traffic.recorded if traffic else 0, "labelled": traffic.labelled if traffic else 0,
+                "mlflow_traces": traced.recorded if traced else 0}
 
     @app.post("/v1/feedback")
     async def feedback(request: Request):
@@ -208,13 +215,20 @@ def create_app(follower: AliasFollower, traffic: TrafficLog | None):
             raise RequestError(f"outcome must be one of {', '.join(OUTCOMES)}, not {outcome!r}", param="outcome")
         if score is not None and (isinstance(score, bool) or not isinstance(score, int | float)):
             raise RequestError(f"score must be a number, not {score!r}", param="score")
-        if traffic is None:
+        if traffic is None and traced is None:
             raise RequestError("this server records no traffic (started with --no-record)", status=409)
-        try:
-            await run_in_threadpool(traffic.label, answer_id, outcome, score)
-        except UnknownAnswer:
+        found = False
+        if traffic is not None:
+            try:
+                await run_in_threadpool(traffic.label, answer_id, outcome, score)
+                found = True
+            except UnknownAnswer:
+                pass
+        if traced is not None:  # also an assessment on its MLflow trace
+            found = await run_in_threadpool(traced.label, answer_id, outcome, score) or found
+        if not found:
             raise RequestError(f"no answer with id '{answer_id}' was recorded by this server", param="id",
-                               code="not_found", status=404) from None
+                               code="not_found", status=404)
         return {"id": answer_id, "labelled": True}
 
     return app
@@ -230,10 +244,13 @@ class ModelServer:
     the benchmark); `run()` serves in this thread until interrupted (`flywheel serve-model`)."""
 
     def __init__(self, name: str, alias: str = "champion", traces: Path | None = None, poll_s: float = 2.0,
-                 backend: str = "hf", device: str = "auto", port: int = 0, host: str = "127.0.0.1"):
+                 backend: str = "hf", device: str = "auto", port: int = 0, host: str = "127.0.0.1",
+                 mlflow_experiment: str | None = None, root: Path = Path(".")):
         self.follower = AliasFollower(name, alias, backend, device)
         self.traces = traces
         self.traffic: TrafficLog | None = None  # made once the version is loaded
+        self.mlflow_experiment, self.root = mlflow_experiment, root
+        self.traced: MlflowTraffic | None = None
         self.host, self.port, self.poll_s = host, port, poll_s
         self._stop, self._wake = threading.Event(), threading.Event()
         self._threads: list[threading.Thread] = []
@@ -255,11 +272,13 @@ class ModelServer:
 
         self.follower.start()
         self.traffic = TrafficLog(self.traces) if self.traces is not None else None
+        if self.mlflow_experiment:
+            self.traced = MlflowTraffic(self.root, self.follower.name, self.mlflow_experiment)
         if not self.port:
             with socket.socket() as probe:
                 probe.bind((self.host, 0))
                 self.port = probe.getsockname()[1]
-        config = uvicorn.Config(create_app(self.follower, self.traffic), host=self.host, port=self.port,
+        config = uvicorn.Config(create_app(self.follower, self.traffic, self.traced), host=self.host, port=self.port,
                                 log_level="warning", access_log=False)
         self._server = uvicorn.Server(config)
         follow = threading.Thread(target=self.follower.follow, args=(self._stop, self._wake, self.poll_s),
@@ -273,9 +292,11 @@ class ModelServer:
         if hasattr(signal, "SIGHUP"):
             signal.signal(signal.SIGHUP, lambda *_: self.reload())
         follower = self.follower
+        also = f" and MLflow experiment {self.mlflow_experiment!r}" if self.traced else ""
         print(f"serving {follower.name}@{follower.alias} (version {follower.current.version.version}, "
               f"{follower.backend}) at {self.url} (pid {os.getpid()}); traffic to "
-              f"{self.traces or 'nowhere (--no-record)'}; following the alias every {self.poll_s:g}s and on SIGHUP",
+              f"{self.traces or 'nowhere (--no-record)'}{also}; following the alias every {self.poll_s:g}s and on "
+              "SIGHUP",
               flush=True)
         try:
             self._server.run()
@@ -305,6 +326,8 @@ class ModelServer:
 
 
 def serve(name: str, alias: str, host: str, port: int, traces: Path | None, poll_s: float, backend: str,
-          device: str) -> None:
-    """Serve until interrupted (the `flywheel serve-model` command): SIGHUP checks the alias at once."""
-    ModelServer(name, alias, traces, poll_s, choose_backend(backend), device, port, host).run()
+          device: str, mlflow_experiment: str | None = None, root: Path = Path(".")) -> None:
+    """Serve until interrupted (the `flywheel serve-model` command): SIGHUP checks the alias at once.
+    mlflow_experiment: every answer also an MLflow trace there."""
+    ModelServer(name, alias, traces, poll_s, choose_backend(backend), device, port, host, mlflow_experiment,
+                root).run()

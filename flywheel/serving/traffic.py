@@ -20,13 +20,19 @@ calls, with the label.
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
 import threading
 from collections import OrderedDict
 from datetime import UTC, datetime
 from pathlib import Path
 
+log = logging.getLogger("flywheel.serve")
+
 OUTCOMES = ("accepted", "rejected", "unknown")
 _REMEMBERED = 50_000  # answers kept in memory for labelling; older ones are found by reading the files
+_ANSWER_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")  # a completion id this server made
 _REQUEST_KEYS = ("model", "temperature", "top_p", "n", "max_tokens", "max_completion_tokens", "seed", "tool_choice")
 
 
@@ -57,9 +63,7 @@ class TrafficLog:
         """Write one answered request: the request as sent (messages, tools, sampling), the response, and
         what served it."""
         moment = _now()
-        request = {"messages": body["messages"], **{k: body[k] for k in _REQUEST_KEYS if k in body}}
-        if body.get("tools"):
-            request["tools"] = body["tools"]
+        request = served_request(body)
         record = {"id": response["id"], "timestamp": _stamp(moment), "request": request, "response": response,
                   "served": served}
         self._append(f"traffic-{moment:%Y-%m-%d}.jsonl", record)
@@ -101,3 +105,59 @@ class TrafficLog:
         line = json.dumps(record, ensure_ascii=False) + "\n"
         with self._lock, (self.folder / name).open("a", encoding="utf-8") as handle:
             handle.write(line)  # one write of a whole line: a reader never sees half a record as complete
+
+
+def served_request(body: dict) -> dict:
+    """What a record keeps of a request: its messages, tools and sampling settings."""
+    request = {"messages": body["messages"], **{k: body[k] for k in _REQUEST_KEYS if k in body}}
+    if body.get("tools"):
+        request["tools"] = body["tools"]
+    return request
+
+
+class MlflowTraffic:
+    """Answered requests as MLflow traces in one experiment (`serve-model --mlflow-traces`): a CHAT_MODEL span
+    each, its client request id the completion's id. Feedback given on them in MLflow's UI (an assessment named
+    `outcome` or `score`) comes back through a collect source `mlflow: EXPERIMENT` (docs/traces.md)."""
+
+    def __init__(self, root: Path, pipeline: str, experiment: str):
+        from flywheel import registry
+
+        self.pipeline, self.experiment = pipeline, experiment
+        self.experiment_id = registry.experiment_id(root, experiment)
+        self.recorded = 0
+        self.failed = 0
+
+    def record(self, body: dict, response: dict, served: dict, latency_s: float) -> str | None:
+        """Write one answered request as a trace; its id, or None when the store refused it (the answer stands)."""
+        from flywheel import tracing
+
+        trace = tracing.served_trace(served_request(body), response, served, latency_s, self.pipeline)
+        try:
+            [trace_id] = tracing.write([trace], self.experiment_id)
+        except Exception as err:  # noqa: BLE001 -- a tracking store's errors vary; the client has its answer
+            self.failed += 1
+            log.error("answer %s: its MLflow trace was not written: %s: %s", response.get("id"),
+                      type(err).__name__, err)
+            return None
+        self.recorded += 1
+        return trace_id
+
+    def label(self, answer_id: str, outcome: str | None = None, score: float | None = None) -> bool:
+        """A `/v1/feedback` verdict as assessments `outcome` and `score` on the answer's trace (what a reviewer
+        gives in MLflow's UI); False when no trace here has that completion id."""
+        from mlflow.entities import AssessmentSource, Feedback
+        from mlflow.tracing.client import TracingClient
+
+        if not _ANSWER_ID.match(answer_id):  # it goes into a search filter
+            return False
+        client = TracingClient(os.environ.get("MLFLOW_TRACKING_URI"))
+        found = client.search_traces(locations=[self.experiment_id], max_results=1, include_spans=False,
+                                     filter_string=f"attributes.client_request_id = '{answer_id}'")
+        if not found:
+            return False
+        source = AssessmentSource(source_type="HUMAN", source_id="serve-model /v1/feedback")
+        for name, value in (("outcome", outcome), ("score", score)):
+            if value is not None:
+                client.log_assessment(found[0].info.trace_id, Feedback(name=name, value=value, source=source))
+        return True

@@ -20,6 +20,7 @@ from flywheel.agent import Harness
 from flywheel.config import RLConfig
 from flywheel.devices import actor_device
 from flywheel.policies.base import Sampling
+from flywheel.tracing import lean
 from flywheel.train.rl.batch import Group, make_groups
 from flywheel.train.rl.source import Work
 from flywheel.train.rl.weights import WeightBoard
@@ -40,7 +41,13 @@ def rollout(harness: Harness, policy, tokenizer, work: Work, cfg: RLConfig, vers
     in the harness, under its limits (the environment section's turns, token budget and tool timeout)."""
     sampling = Sampling(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=work.seed)
     episodes = harness.run(policy, work.tasks, samples=cfg.group_size, sampling=sampling)
-    return make_groups(episodes, cfg.group_size, tokenizer, harness.env.tools(), cfg.max_length, work.step, version)
+    groups = make_groups(episodes, cfg.group_size, tokenizer, harness.env.tools(), cfg.max_length, work.step,
+                         version)
+    if cfg.trace_rollouts and groups and groups[0].index == 0:  # the step's first task, for an MLflow trace
+        kept = [e for e in episodes[:cfg.group_size] if e.scored]
+        for kept_rollout, episode in zip(groups[0].rollouts, kept, strict=True):
+            kept_rollout.episode = lean(episode)
+    return groups
 
 
 def actor_policy(kind: str, model_dir: Path, device: str = "auto"):

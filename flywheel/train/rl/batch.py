@@ -37,6 +37,7 @@ class Rollout:
     passed: bool
     segments: list[Segment]
     split: bool = False
+    episode: Episode | None = None  # the episode itself (tracing.lean), kept for an MLflow trace (rl.trace_rollouts)
 
     @property
     def tokens(self) -> int:

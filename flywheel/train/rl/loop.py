@@ -76,7 +76,8 @@ class _Timing:
 def train_rl(model_dir: Path, harness: Harness, tasks: list[Task], cfg: RLConfig, out_dir: Path,
              on_step: Callable[[int, dict], None] | None = None,
              checkpoint_dir: Path | None = None, device: str = "auto",
-             monitor: Monitor | None = None, teacher=None) -> tuple[list[dict], dict]:
+             monitor: Monitor | None = None, teacher=None,
+             traced: list | None = None) -> tuple[list[dict], dict]:
     """GRPO-family RL from the checkpoint in model_dir; saves to out_dir; returns (rollout rows, summary).
 
     Checkpoints go to checkpoint_dir (default: `rl-checkpoints` beside out_dir); a killed run resumes there.
@@ -86,7 +87,8 @@ def train_rl(model_dir: Path, harness: Harness, tasks: list[Task], cfg: RLConfig
     cfg.keep_best: the output is the version that did best on a validation sample of `tasks`, which RL then
     never draws (flywheel/train/rl/selection.py), not the last. harness: the environment and the limits the
     rollouts and the validation run under. teacher: on-policy distillation's (rl.objective opd or reward+opd;
-    default: the one rl.opd names, a relative checkpoint path read from the working directory).
+    default: the one rl.opd names, a relative checkpoint path read from the working directory). traced: gets
+    (step, behaviour version, episode) for each episode kept for an MLflow trace (cfg.trace_rollouts).
     """
     from flywheel.checkpoints import load_student, save_student
     from flywheel.devices import resolve_device
@@ -143,6 +145,9 @@ def train_rl(model_dir: Path, harness: Harness, tasks: list[Task], cfg: RLConfig
             source.publish(model, version + 1)
             everything = sorted(groups + stale, key=lambda g: g.index)
             rows.extend(_rows(step, version, everything, advantages, {g.index for g in stale + failed}))
+            if traced is not None:
+                traced += [(g.step, g.behaviour_version, r.episode) for g in everything for r in g.rollouts
+                           if r.episode is not None]
             following = step + cfg.max_staleness + 1  # its draw needed this step's outcomes
             if cfg.difficulty_filter and following < cfg.steps:
                 pending[following] = filtered_work(tasks, cfg, following, rows)
