@@ -1,8 +1,8 @@
 """The `flywheel` command (Typer), above everything: free to call flows and stages.
 
 app.py holds the Typer apps and shared options; errors.py how a failed command reports; preflight.py the checks
-before run, check and eval; render.py what the commands print; pipeline.py, inspection.py and servers.py the
-commands themselves. `flywheel --help` lists them from their docstrings.
+before run, check and eval; render.py what the commands print; pipeline.py, inspection.py, servers.py and ui.py
+the commands themselves. `flywheel --help` lists them from their docstrings.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import typer
 
 # isort: off
 # the order `flywheel --help` lists the commands' panels in
-from flywheel.cli import pipeline, inspection, servers
+from flywheel.cli import pipeline, inspection, servers, ui
 # isort: on
 from flywheel.cli.app import app
 from flywheel.cli.errors import invocation
 
-__all__ = ["app", "inspection", "pipeline", "reported_commands", "servers"]
+__all__ = ["app", "inspection", "pipeline", "reported_commands", "servers", "ui"]
 
 
 def reported_commands() -> list[str]:
