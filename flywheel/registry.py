@@ -299,8 +299,8 @@ DESCRIPTION_CHARS = 5000
 def describe(name: str, version: str, markdown: str) -> None:
     """Set a version's description (markdown, shown at the top of its page in MLflow's UI)."""
     if len(markdown) > DESCRIPTION_CHARS:
-        cut = markdown[:DESCRIPTION_CHARS - 80].rsplit("\n", 1)[0]
-        markdown = cut + "\n\n(cut at MLflow's 5000 characters: the whole summary is the register run's artifact)"
+        note = "\n\n(cut at MLflow's 5000 characters: the whole summary is the register run's artifact)"
+        markdown = markdown[:DESCRIPTION_CHARS - len(note)].rsplit("\n", 1)[0] + note
     client().update_model_version(name, str(version), description=markdown)
 
 
