@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
-from typer.testing import CliRunner
 
 from flywheel import plots, registry, tags
 from flywheel.evaluate import summary
