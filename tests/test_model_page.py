@@ -62,6 +62,9 @@ def test_a_refused_or_failed_gate_says_so_in_its_first_line():
     refused = summary.render("p", REFUSED, summary.Registration("2", ["challenger"], False, champion="1"))
     assert refused.splitlines()[0] == ("**Gate: REFUSED: the eval cannot measure this candidate.** Version 2 "
                                        "(aliases: `challenger`); champion stays version 1.")
+    assert "Promotion:" not in refused  # nothing said beyond the gate's reasons
+    rerun = summary.render("p", REFUSED, summary.Registration("2", ["challenger"], False, ["not offered"], "1"))
+    assert "\nPromotion:\n- not offered\n" in rerun
     failed = dataclasses.replace(DEMO, passed=False, reasons=["candidate score 0.5 < min_score 0.8"])
     assert summary.render("p", failed).splitlines()[0] == "**Gate: failed: not promoted.**"
     assert summary.verdict(REFUSED) == "refused" and summary.verdict(failed) == "failed"

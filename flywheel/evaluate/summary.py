@@ -62,7 +62,8 @@ def render(pipeline: str, report: GateReport, registration: Registration | None 
            images: Sequence[tuple[str, str]] = ()) -> str:
     """The summary as markdown. `data`: dataset or model path -> DVC md5; `images`: (title, URL or data URI)."""
     lines = [headline(report, registration), "", "Why:", *[f"- {r}" for r in report.reasons]]
-    if registration is not None and registration.reasons:
+    if registration is not None and registration.reasons and list(registration.reasons) != list(report.reasons):
+        # promotion said more than the gate did (a champion that moved since evaluate, a rerun not offered)
         lines += ["", "Promotion:", *[f"- {r}" for r in registration.reasons]]
     lines += ["", f"### Held-out, greedy ({pipeline})", "", *_models_table(report)]
     if report.references:
