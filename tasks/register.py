@@ -101,24 +101,30 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
             promoted, reasons = False, ["not offered for promotion (a rerun: `flywheel rerun --promote` offers it)"]
         version = registry.get_version(pipeline, version.version)
         champion = registry.get_alias(pipeline, "champion")
-        described = summary.Registration(version.version, sorted(version.aliases), promoted, reasons,
-                                         champion.version if champion else None)
-        runs = _runs(parent_run_id, run.run_id)
-        data = {k.removeprefix(DVC_PREFIX): v for k, v in tags.items() if k.startswith(DVC_PREFIX)}
-        experiment = registry.client().get_run(run.run_id).info.experiment_id
-        # the version's page in MLflow: relative links open the runs in the same UI; Prefect's artifact has the
-        # plots, and the run ids as text (a relative link there would be Prefect's)
-        registry.describe(pipeline, version.version, summary.render(
-            pipeline, gate, described, data, summary.Links(experiment, runs)))
-        report = summary.render(pipeline, gate, described, data, summary.Links("", runs),
-                                images(pipeline, gate, runs))
-        run.text(report, SUMMARY_FILE)
-        publish_model_report(pipeline, report)
+        _describe(pipeline, gate, summary.Registration(version.version, sorted(version.aliases), promoted, reasons,
+                                                       champion.version if champion else None),
+                  {k.removeprefix(DVC_PREFIX): v for k, v in tags.items() if k.startswith(DVC_PREFIX)},
+                  run, parent_run_id)
         result = {"version": version.version, "aliases": list(version.aliases), "model_hash": model_hash,
                   "gate_passed": gate.passed, "promoted": promoted, "promotion_reasons": reasons}
         catalog.write_json("register", "registration.json", result)
         run.tags({REGISTERED_VERSION_TAG: version.version})
         return stage.done({}, registration=result)
+
+
+def _describe(pipeline: str, gate: GateReport, registration: summary.Registration, data: dict[str, str],
+              run: registry.Run, parent_run_id: str | None) -> None:
+    """The summary (flywheel/evaluate/summary.py) as the version's description, the register run's artifact and
+    the Prefect artifact `<pipeline>-model`. In MLflow's UI the run links are relative, so they open in the UI
+    showing the page; Prefect's artifact has the plots, and the run ids as text (a relative link there is
+    Prefect's)."""
+    runs = _runs(parent_run_id, run.run_id)
+    experiment = registry.client().get_run(run.run_id).info.experiment_id
+    registry.describe(pipeline, registration.version,
+                      summary.render(pipeline, gate, registration, data, summary.Links(experiment, runs)))
+    report = summary.render(pipeline, gate, registration, data, summary.Links("", runs), images(pipeline, gate, runs))
+    run.text(report, SUMMARY_FILE)
+    publish_model_report(pipeline, report)
 
 
 def _data_tags(root, pipeline: str) -> dict[str, str]:
