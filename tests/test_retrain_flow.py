@@ -75,7 +75,7 @@ def test_retrain_runs_caches_and_reruns_only_what_changed(project, prefect_serve
                    for k in version.tags), "the code the version ran is its git commit"
     for stage, png in (("sft", "plots/sft_loss.png"), ("rl", "plots/rl_reward_mean.png")):
         assert png in {a.path for a in client.list_artifacts(children[stage].info.run_id, "plots")}
-    assert [a.path for a in client.list_artifacts(children["register"].info.run_id, "summary.md")] == ["summary.md"]
+    assert "summary.md" in {a.path for a in client.list_artifacts(children["register"].info.run_id)}
     model_page = _markdown_artifact("small-model")
     assert model_page.splitlines()[0] == described.splitlines()[0]
     assert model_page.count("](data:image/png;base64,") == 3  # the slices, the SFT loss, the RL reward
