@@ -54,6 +54,8 @@ def test_the_prefect_ui_on_another_port_lists_the_runs_of_the_project(tmp_path, 
             time.sleep(0.5)
         assert f"Prefect UI: http://127.0.0.1:{prefect_port}\n" in lines
         assert f"MLflow UI: http://127.0.0.1:{mlflow_port}\n" in lines
+        assert any(line.startswith("note: PREFECT_API_URL is set: runs made with it are on that server") for line
+                   in lines), lines  # the shell's server is named, not silently shown or hidden
 
         settings = httpx.get(f"http://127.0.0.1:{prefect_port}/ui-settings", timeout=30).json()
         assert settings["api_url"] == f"http://127.0.0.1:{prefect_port}/api"

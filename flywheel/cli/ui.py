@@ -66,6 +66,10 @@ def ui(root: Path = ROOT, mlflow_port: int = typer.Option(5000, "--mlflow-port")
     from flows.deployments import serving, stop_process_group
 
     root = checked_root(root)
+    if os.environ.get("PREFECT_API_URL"):  # `flywheel run` records its flow runs there, not in the Prefect home
+        typer.echo(f"note: PREFECT_API_URL is set: runs made with it are on that server, whose own UI is "
+                   f"{os.environ['PREFECT_API_URL'].removesuffix('/').removesuffix('/api')}; the Prefect UI "
+                   "started here shows the runs made without it")
     logs = root / ".flywheel" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # the UI's server is its own API
