@@ -17,6 +17,7 @@ from flywheel.data import dvc
 from flywheel.stages import ORDER, RetrainSummary, StageResult
 from flywheel.tags import (
     FLOW_RUN_TAG,
+    GATE_REFUSED_TAG,
     GIT_DIRTY_TAG,
     PIPELINE_RUN_TAG,
     REFRESH_TAG,
@@ -106,7 +107,8 @@ def _stages(pipeline: str, root_path: Path, cfg, student: StudentChoice, refresh
         raise
     summary = _summary(pipeline, results, ran, restored, parent.run_id, student.line())
     parent.metrics(dict(summary.scores))
-    parent.tags(gate_tag(summary.gate_passed) | {REGISTERED_VERSION_TAG: summary.version})
+    parent.tags(gate_tag(summary.gate_passed) | {REGISTERED_VERSION_TAG: summary.version}
+                | ({GATE_REFUSED_TAG: "; ".join(summary.refused)[:5000]} if summary.refused else {}))
     parent.end(ok=True)
     return summary
 

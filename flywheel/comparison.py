@@ -3,9 +3,7 @@ pass rate), gate decisions; as tables for a terminal of 100 columns and up, or a
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 import tempfile
 from pathlib import Path
@@ -15,7 +13,9 @@ from mlflow.exceptions import MlflowException
 from rich import box
 from rich.table import Table
 
+from flywheel import plots
 from flywheel.metrics import (
+    CURVES,
     FINAL,
     GATE_COST_SAVING,
     GATE_COST_SAVING_LOW,
@@ -25,10 +25,8 @@ from flywheel.metrics import (
     RL_FINAL_GAP,
     RL_FINAL_HACKING,
     RL_FINAL_REWARD,
-    RL_REWARD,
     SCORE,
     SFT_FINAL_LOSS,
-    SFT_LOSS,
     pass_rate_name,
     score_name,
 )
@@ -38,7 +36,6 @@ from flywheel.tags import GATE_TAG, REGISTERED_VERSION_TAG, STAGE_TAG, dvc_tag, 
 
 PARAMS = ("sft.steps", "sft.lr", "rl.steps", "rl.lr", "rl.group_size", "rl.lr_schedule", "rl.difficulty_filter",
           "teacher.error_rate", "gate.mode", "gate.margin")
-CURVES = {"sft": SFT_LOSS, "rl": RL_REWARD}  # the learning curve each training stage logs per step
 MODELS = ("null", "base", "sft", "rl")  # the models of a run whose held-out scores the table shows
 # summary_table's held-out columns: each model's mean reward (the candidate's with its interval), then pass rates
 SCORE_COLUMNS = (*[f"{m} reward" for m in MODELS[:-1]], "rl reward [95% CI]", *[f"{m} pass" for m in MODELS])
@@ -228,6 +225,11 @@ def write_html(rows: list[dict], path: Path, pipeline: str) -> Path:
     slices = _figure_slices(rows)
     if slices:
         parts += ["<h2>Held-out reward by slice (candidate, 95% interval)</h2>", slices]
+    for row in rows:  # each run's models side by side: the null policy, base, SFT, RL, the champion
+        if row["slices"]:
+            title = f"run {row['run_id'][:8]}: held-out mean reward by slice, each model"
+            parts += [f"<h3>{html.escape(title)}</h3>",
+                      f"<img src='{plots.data_uri(plots.slice_bars(row['slices'], title))}'/>"]
     for row in rows:
         if row["reasons"]:
             parts += [f"<h3>Gate of run {row['run_id'][:8]}: {html.escape(row['gate'])}</h3><ul>",
@@ -238,29 +240,14 @@ def write_html(rows: list[dict], path: Path, pipeline: str) -> Path:
     return path
 
 
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
-def _img(fig, plt) -> str:
-    buffer = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buffer, format="png", dpi=90)
-    plt.close(fig)
-    return f"<img src='data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}'/>"
+def _img(fig) -> str:
+    return f"<img src='{plots.data_uri(plots.png(fig))}'/>"
 
 
 def _figure_curves(rows: list[dict]) -> str:
-    plt = _pyplot()
+    plt = plots.pyplot()
     names = sorted({name for row in rows for name in row["curves"]})
-    if plt is None or not names:
+    if not names:
         return ""
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.5), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
@@ -271,14 +258,14 @@ def _figure_curves(rows: list[dict]) -> str:
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-    return _img(fig, plt)
+    return _img(fig)
 
 
 def _figure_slices(rows: list[dict]) -> str:
-    plt = _pyplot()
+    plt = plots.pyplot()
     scores = pd.DataFrame([s | {"run": row["run_id"][:8]} for row in rows for s in row["slices"]
                            if s.get("model") == "rl"])
-    if plt is None or scores.empty:
+    if scores.empty:
         return ""
     slices = list(dict.fromkeys(scores["slice"]))
     runs = list(dict.fromkeys(scores["run"]))
@@ -293,4 +280,4 @@ def _figure_slices(rows: list[dict]) -> str:
     ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(slices))], slices)
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=8)
-    return _img(fig, plt)
+    return _img(fig)

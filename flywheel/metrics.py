@@ -11,6 +11,8 @@ FINAL = "final_"  # the prefix of a training stage's end-of-run summary
 
 SFT_LOSS = "loss"  # per SFT logging step: the training loss (the SFT learning curve)
 RL_REWARD = "reward_mean"  # per RL step: the mean reward of the step's rollouts (the RL learning curve)
+# the learning curve each training stage logs per step: a PNG of its run, a figure in `flywheel compare --html`
+CURVES = {"sft": SFT_LOSS, "rl": RL_REWARD}
 SFT_LAST_LOSS = "final_loss"  # train_sft's summary: the last logged training loss
 RL_LAST_REWARD = "reward_mean_last"  # train_rl's summary: the last step's reward_mean
 

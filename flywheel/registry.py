@@ -99,6 +99,17 @@ class Run:
     def text(self, text: str, artifact_file: str) -> None:
         client().log_text(self.run_id, text, artifact_file)
 
+    def image(self, png: bytes, artifact_file: str) -> None:
+        """A PNG (flywheel/plots.py) as the run's artifact `artifact_file` (a path under the run's artifacts)."""
+        with tempfile.TemporaryDirectory(prefix="flywheel-png-") as tmp:
+            path = Path(tmp) / Path(artifact_file).name
+            path.write_bytes(png)
+            self.artifact(path, str(Path(artifact_file).parent) if "/" in artifact_file else None)
+
+    def history(self, metric: str) -> list[tuple[int, float]]:
+        """A metric's values over steps, (step, value) in step order."""
+        return sorted((m.step, m.value) for m in client().get_metric_history(self.run_id, metric))
+
     def artifact_uri(self, folder: str) -> str:
         return client().get_run(self.run_id).info.artifact_uri.rstrip("/") + "/" + folder
 
@@ -279,6 +290,18 @@ def log_student(run: Run, model_dir: Path, name: str, python_model, example: dic
                                        model_config={"model_name": name},
                                        tags={k: str(v)[:5000] for k, v in tags.items()})
     return info.model_id
+
+
+# MLflow's SQL stores keep a version's description in a column of 5000 characters (PostgreSQL enforces it)
+DESCRIPTION_CHARS = 5000
+
+
+def describe(name: str, version: str, markdown: str) -> None:
+    """Set a version's description (markdown, shown at the top of its page in MLflow's UI)."""
+    if len(markdown) > DESCRIPTION_CHARS:
+        note = "\n\n(cut at MLflow's 5000 characters: the whole summary is the register run's artifact)"
+        markdown = markdown[:DESCRIPTION_CHARS - len(note)].rsplit("\n", 1)[0] + note
+    client().update_model_version(name, str(version), description=markdown)
 
 
 def _holding(c, name: str, model_hash: str) -> list:

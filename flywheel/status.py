@@ -12,14 +12,13 @@ from flywheel.registry import client
 from flywheel.stages import ORDER
 from flywheel.tags import (
     DVC_PREFIX,
-    GATE_REFUSED_TAG,
-    GATE_TAG,
     PIPELINE_RUN_TAG,
     PROMOTION_TAG,
     REGISTERED_VERSION_TAG,
     RERUN_OF_TAG,
     STAGE_TAG,
     dvc_tag,
+    gate_word,
     pass_rate_tag,
     score_tag,
     stage_state_tag,
@@ -38,7 +37,7 @@ class AliasState:
     score: float | None  # the mean reward
     registered: pd.Timestamp
     pipeline_run: str
-    gate: str
+    gate: str  # passed, failed or refused
     promotion: str  # how it became champion: gate, forced, rollback; "" if it never did
     data: dict[str, str]  # dataset/model path -> DVC md5
     pass_rate: float | None = None
@@ -88,11 +87,10 @@ def pipeline_status(pipeline: str, last: int = 5) -> PipelineStatus:
         except MlflowException:
             continue
         score, passed = mv.tags.get(score_tag(score_name("rl"))), mv.tags.get(pass_rate_tag("rl"))
-        gate = "refused" if mv.tags.get(GATE_REFUSED_TAG) else mv.tags.get(GATE_TAG, "")
         aliases.append(AliasState(alias, str(mv.version), float(score) if score else None,
                                   pd.Timestamp(mv.creation_timestamp, unit="ms", tz="UTC"),
                                   mv.tags.get(PIPELINE_RUN_TAG, mv.run_id or ""),
-                                  gate, mv.tags.get(PROMOTION_TAG, ""),
+                                  gate_word(mv.tags), mv.tags.get(PROMOTION_TAG, ""),
                                   _data(mv.tags), float(passed) if passed else None))
     runs = []
     experiment = c.get_experiment_by_name(pipeline)
@@ -101,7 +99,7 @@ def pipeline_status(pipeline: str, last: int = 5) -> PipelineStatus:
                                  order_by=["attributes.start_time DESC"], max_results=last):
             tags = run.data.tags
             runs.append(RunState(run.info.run_id, pd.Timestamp(run.info.start_time, unit="ms", tz="UTC"),
-                                 run.info.status, tags.get(GATE_TAG, ""),
+                                 run.info.status, gate_word(tags),
                                  tags.get(REGISTERED_VERSION_TAG, ""),
                                  {s: tags[stage_state_tag(s)] for s in ORDER if stage_state_tag(s) in tags},
                                  tags.get(RERUN_OF_TAG, ""), _data(tags)))

@@ -88,6 +88,12 @@ def gate_tag(passed: bool) -> dict[str, str]:
     return {GATE_TAG: gate_verdict(passed)}
 
 
+def gate_word(tags: dict[str, str]) -> str:
+    """The gate's decision as a run's or version's tags say it: passed, failed, or refused (the eval could not
+    measure the candidate: the gate tag says failed, the refused tag why); "" when there is no gate tag."""
+    return "refused" if tags.get(GATE_REFUSED_TAG) else tags.get(GATE_TAG, "")
+
+
 def gate_diff_tag(key: str) -> str:
     """The version's tag of the gate's candidate-minus-champion difference `key` (estimate, low, high)."""
     return f"flywheel.gate.{key}"
@@ -118,13 +124,11 @@ def reference_tag(name: str, key: str | None = None) -> str:
     return f"flywheel.reference.{name}" + (f".{key}" if key else "")
 
 
-def data_tag(path: str) -> str:
-    """The version's tag of the md5 of one of the RL stage's deps or outs (a path), as dvc.lock records it."""
-    return f"flywheel.data.{path}"
-
-
 # --- lineage: on the pipeline run and the registered version ------------------------------------------------------
-DVC_PREFIX = "flywheel.dvc."  # + a dataset's or model's path: its md5 as dvc.lock records it
+# + a path: its md5 as dvc.lock records it. The pipeline run has every dep and out of its stages (code too); the
+# version only its datasets and models (data/, models/): its code is its git commit. (Versions registered before
+# 2026-12-06 also carry `flywheel.data.<path>`, the RL stage's deps again: nothing reads them.)
+DVC_PREFIX = "flywheel.dvc."
 
 
 def dvc_tag(path: str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -17,7 +16,7 @@ from flywheel.data.schemas import Eval
 from flywheel.data.tasksets import row_task
 from flywheel.evaluate.arms import Arm, checkpoint_arm, null_arm, reference_arm, score_arm
 from flywheel.evaluate.gate import BASELINES, GateDecision, decide
-from flywheel.evaluate.report import model_scores, plot_slices, reference_shares, slice_scores
+from flywheel.evaluate.report import model_scores, reference_shares, slice_scores
 from flywheel.evaluate.runner import check_contamination, require_heldout, synthetic_prompt_hashes
 from flywheel.evaluate.traces import log_traces
 from flywheel.metrics import GATE_COST_SAVING, GATE_COST_SAVING_LOW, GATE_REFUSED, pass_rate_name, score_name
@@ -27,7 +26,7 @@ from flywheel.train.rl.loop import NO_UPDATES_FILE
 from flywheel.train.rl.monitor import MONITOR_FILE
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
-from tasks.reports import publish_eval_report
+from tasks.reports import SLICES_PNG, publish_eval_report, slices_png
 
 
 def champion_key(pipeline: str, root: Path, cfg: PipelineConfig | None = None) -> str:
@@ -81,10 +80,9 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
         gate_path = catalog.write_json("evaluate", "gate.json", report.to_dict())
         run.metrics(scores | pass_rates | _gate_metrics(decision, report.numbers) | _reference_metrics(references)
                     | {f"user_errors_{label}": n for label, n in user_errors.items()})
-        with tempfile.TemporaryDirectory() as tmp:
-            plot = plot_slices(per_slice, Path(tmp) / "gate_slices.png", f"{pipeline}: held-out reward by slice")
-            if plot is not None:
-                run.artifact(plot)
+        bars = slices_png(pipeline, report)
+        if bars is not None:
+            run.image(bars, SLICES_PNG)
         run.tags(gate_tag(decision.passed)
                  | {out_tag("evaluate"): content_hash([catalog.stage_dir("evaluate")], root_path)}
                  | ({GATE_REFUSED_TAG: "; ".join(decision.refusals)[:5000]} if decision.refusals else {}))

@@ -1,12 +1,15 @@
-"""Progress of a long stage: every step's metrics to its MLflow run, a line on stdout about every tenth."""
+"""Progress of a long stage: every step's metrics to its MLflow run, a line on stdout about every tenth, and at
+the end the learning curve as a PNG of the run."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
+from flywheel import plots
 from flywheel.agent import Episode
 from flywheel.config import TeacherConfig
+from flywheel.metrics import CURVES
 from flywheel.registry import Run
 from flywheel.synthesis import episode_tokens
 
@@ -66,3 +69,18 @@ class Meter:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         return {"samples_per_s": self.done / elapsed, "tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
                 "cost_usd": self.cost(self.tokens_in, self.tokens_out)}
+
+
+def curve_png(run_id: str, stage: str) -> bytes | None:
+    """A training stage's learning curve (SFT loss, RL mean reward) over steps, from its run; None if not logged."""
+    points = Run(run_id).history(CURVES[stage])
+    if not points:
+        return None
+    return plots.curves({stage: points}, f"{stage}: {CURVES[stage]} per step", CURVES[stage])
+
+
+def log_curve(run: Run, stage: str) -> None:
+    """Keep the stage's learning curve with its run, as plots/<stage>_<metric>.png."""
+    image = curve_png(run.run_id, stage)
+    if image is not None:
+        run.image(image, f"plots/{stage}_{CURVES[stage]}.png")

@@ -10,6 +10,7 @@ from flywheel import promotion, registry
 from flywheel.checkpoints import adapter_base
 from flywheel.data import dvc
 from flywheel.data.catalog import content_hash
+from flywheel.evaluate import summary
 from flywheel.evaluate.gate import GateDecision
 from flywheel.evaluate.report import reference_line
 from flywheel.metrics import PASS_RATE
@@ -19,6 +20,7 @@ from flywheel.stages import ORDER, GateReport, StageResult
 from flywheel.tags import (
     ADAPTER_BASE_TAG,
     CONFIG_HASH_TAG,
+    DVC_PREFIX,
     GATE_CHAMPION_TAG,
     GATE_REASONS_TAG,
     GATE_REFUSED_TAG,
@@ -27,17 +29,20 @@ from flywheel.tags import (
     REWARD_HACKING_REASON_TAG,
     REWARD_HACKING_TAG,
     RL_NO_UPDATES_TAG,
-    data_tag,
+    dvc_tag,
     gate_diff_tag,
     gate_tag,
     pass_rate_tag,
     reference_tag,
     score_tag,
+    stage_run_tag,
 )
 from tasks.caching import by_content
 from tasks.kernel import stage_context, stage_task
+from tasks.reports import images, publish_model_report
 
 _by_content = by_content("register")
+SUMMARY_FILE = "summary.md"  # the register run's artifact: the version's description, with the plots
 
 
 def cache_key(context, parameters: dict) -> str:
@@ -68,8 +73,7 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
                 CONFIG_HASH_TAG: cfg.section_hash(*cfg.model_dump().keys()),
                 GIT_COMMIT_TAG: registry.git_commit(root_path),
                 **{score_tag(k): round(v, 4) for k, v in gate.scores.items()},
-                **{data_tag(k): v for k, v in dvc.lock_hashes(root_path, "rl", pipeline).items()},
-                **dvc.lineage_tags(root_path, pipeline, ORDER[:ORDER.index("register")]),
+                **_data_tags(root_path, pipeline),
                 **(lineage or {})}
         if adapter_base(model_dir):  # a LoRA adapter: serving needs the base it was trained over
             tags[ADAPTER_BASE_TAG] = adapter_base(model_dir)
@@ -96,11 +100,50 @@ def register(pipeline: str, root: str = ".", parent_run_id: str | None = None,
         else:
             promoted, reasons = False, ["not offered for promotion (a rerun: `flywheel rerun --promote` offers it)"]
         version = registry.get_version(pipeline, version.version)
+        champion = registry.get_alias(pipeline, "champion")
+        _describe(pipeline, gate, summary.Registration(version.version, sorted(version.aliases), promoted, reasons,
+                                                       champion.version if champion else None),
+                  {k.removeprefix(DVC_PREFIX): v for k, v in tags.items() if k.startswith(DVC_PREFIX)},
+                  run, parent_run_id)
         result = {"version": version.version, "aliases": list(version.aliases), "model_hash": model_hash,
                   "gate_passed": gate.passed, "promoted": promoted, "promotion_reasons": reasons}
         catalog.write_json("register", "registration.json", result)
         run.tags({REGISTERED_VERSION_TAG: version.version})
         return stage.done({}, registration=result)
+
+
+def _describe(pipeline: str, gate: GateReport, registration: summary.Registration, data: dict[str, str],
+              run: registry.Run, parent_run_id: str | None) -> None:
+    """The summary (flywheel/evaluate/summary.py) as the version's description, the register run's artifact and
+    the Prefect artifact `<pipeline>-model`. In MLflow's UI the run links are relative, so they open in the UI
+    showing the page; Prefect's artifact has the plots, and the run ids as text (a relative link there is
+    Prefect's)."""
+    runs = _runs(parent_run_id, run.run_id)
+    experiment = registry.client().get_run(run.run_id).info.experiment_id
+    registry.describe(pipeline, registration.version,
+                      summary.render(pipeline, gate, registration, data, summary.Links(experiment, runs)))
+    report = summary.render(pipeline, gate, registration, data, summary.Links("", runs), images(pipeline, gate, runs))
+    run.text(report, SUMMARY_FILE)
+    publish_model_report(pipeline, report)
+
+
+def _data_tags(root, pipeline: str) -> dict[str, str]:
+    """The md5 of every dataset and model the candidate came from (data/ and models/), as dvc.lock records them.
+
+    The code each stage ran is the version's git commit and config hash; dvc.lock, every entry of it, is the
+    pipeline run's artifact (registry.RECORD_LOCK)."""
+    every = dvc.lineage_tags(root, pipeline, ORDER[:ORDER.index("register")])
+    return {k: v for k, v in every.items() if k.startswith((dvc_tag("data/"), dvc_tag("models/")))}
+
+
+def _runs(parent_run_id: str | None, register_run_id: str) -> dict[str, str]:
+    """The MLflow runs behind the version: the pipeline run and its stage runs so far, this one last."""
+    runs = {}
+    if parent_run_id:
+        tags = registry.client().get_run(parent_run_id).data.tags
+        runs["pipeline"] = parent_run_id
+        runs |= {name: tags[stage_run_tag(name)] for name in ORDER if tags.get(stage_run_tag(name))}
+    return runs | {"register": register_run_id}
 
 
 def _measured_tags(gate: GateReport) -> dict:

@@ -24,7 +24,7 @@ from flywheel.train.rl.loop import NO_UPDATES_FILE, no_update_warning, train_rl
 from flywheel.train.rl.monitor import MONITOR_FILE, Monitor, audit_sample
 from flywheel.train.rl.objective import objective_of
 from tasks.kernel import stage_context, stage_task
-from tasks.progress import progress
+from tasks.progress import log_curve, progress
 from tasks.reports import publish_monitor_report
 
 
@@ -69,6 +69,7 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
         log_episodes([("rl", episode, {TRACE_STEP_TAG: step, TRACE_VERSION_TAG: version})
                       for step, version, episode in spread(traced, cfg.rl.trace_rollouts)],
                      run, pipeline, stage.env, kind="rl", split="train")
+        log_curve(run, "rl")
         # RL switched off (steps 0) is asked for; RL that ran and changed nothing is said, or an error if asked
         warning = no_update_warning(summary, catalog.model_dir("sft"), out_dir) if cfg.rl.steps else ""
         catalog.write_json("rl", NO_UPDATES_FILE, {"warning": warning})

@@ -13,7 +13,7 @@ from flywheel.tags import ADAPTER_BASE_TAG
 from flywheel.train.sft import train_sft
 from flywheel.train.tiny import build_tiny_student, render_conversation
 from tasks.kernel import stage_context, stage_task
-from tasks.progress import progress
+from tasks.progress import log_curve, progress
 
 
 @stage_task()
@@ -56,6 +56,7 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Sta
                            accelerate_config=root_path / "infra" / "accelerate" / f"{cfg.sft.launcher}.yaml",
                            device=cfg.student.device)
         run.metrics(final_metrics(result))
+        log_curve(run, "sft")
         base_of_adapter = adapter_base(catalog.model_dir("sft"))
         if base_of_adapter:
             run.tags({ADAPTER_BASE_TAG: base_of_adapter})

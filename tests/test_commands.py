@@ -138,17 +138,25 @@ def test_dvc_repro_runs_flywheel_stage_for_what_changed(ran):
 
 
 def test_dvc_asks_about_one_pipeline_where_another_never_ran(ran):
-    """The README's per-pipeline `dvc status` and `dvc repro --dry` work beside a pipeline that never ran, where
-    a bare `dvc repro --dry` fails (DVC hashes the deps a dry run does not write)."""
+    """The README's per-pipeline `dvc status --with-deps` and `dvc repro --dry` work beside a pipeline that never
+    ran, where a bare `dvc repro --dry` fails (DVC hashes the deps a dry run does not write) and a bare `dvc status`
+    lists every stage of the pipeline that never ran. Without --with-deps, `dvc status register@small` looks at
+    register alone: a changed file upstream (here collect's code) is not in its answer."""
     from tasks.spec import dvc_yaml
 
-    files = {name: (ran.root / name).read_text() for name in ("pipelines.yaml", "dvc.yaml")}
+    files = {name: (ran.root / name).read_text() for name in ("pipelines.yaml", "dvc.yaml", "tasks/collect.py")}
     try:
         config = yaml.safe_load(files["pipelines.yaml"])
         config["pipelines"]["never"] = copy.deepcopy(config["pipelines"]["small"])
         (ran.root / "pipelines.yaml").write_text(yaml.safe_dump(config))
         (ran.root / "dvc.yaml").write_text(dvc_yaml(ran.root))
-        assert "up to date" in ran.dvc("status", "register@small")
+        assert "up to date" in ran.dvc("status", "--with-deps", "register@small")
+        assert "collect@never" in ran.dvc("status") and "collect@small" not in ran.dvc("status")
+        (ran.root / "tasks/collect.py").write_text(files["tasks/collect.py"] + "\n# an edit upstream\n")
+        assert "up to date" in ran.dvc("status", "register@small")  # register's own deps did not change
+        upstream = ran.dvc("status", "--with-deps", "register@small")
+        assert "collect@small" in upstream and "tasks/collect.py" in upstream, upstream
+        (ran.root / "tasks/collect.py").write_text(files["tasks/collect.py"])
         dry = ran.dvc("repro", "--dry", "register@small")
         assert "Running stage" not in dry and "Data and pipelines are up to date" in dry, dry
         bare = subprocess.run([sys.executable, "-m", "dvc", "repro", "--dry"], cwd=ran.root, env=ran.env(),

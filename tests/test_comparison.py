@@ -106,6 +106,8 @@ def test_compare_reads_runs_the_stages_made_and_writes_html(project, tmp_path):
     assert unknown.exit_code == 2 and "no retrain run of 'small' has an id starting with 'zzzzzzzz'" in unknown.output
     page = (tmp_path / "r.html").read_text()
     assert "Learning curves" in page and "data:image/png;base64" in page and "candidate score" in page
+    # each run's models side by side per slice (null, base, sft, rl): the figure the evaluate run keeps too
+    assert f"run {new[:8]}: held-out mean reward by slice, each model" in page
     missing = CliRunner().invoke(app, ["compare", "nothing", "--root", str(project)])
     assert missing.exit_code == 2
 

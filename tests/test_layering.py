@@ -28,7 +28,7 @@ LAYERS = (
     # prompt hash), the stage names and what crosses between stages (the gate report, the retrain summary),
     # metric and tag names, the embedded defaults, device settings, the package's version
     ("flywheel", "flywheel.contract", "flywheel.stages", "flywheel.metrics", "flywheel.tags", "flywheel.settings",
-     "flywheel.devices"),
+     "flywheel.devices", "flywheel.plots"),
     # pipelines.yaml as checked models; MLflow's runs and registry; student checkpoints on disk
     ("flywheel.config", "flywheel.registry", "flywheel.checkpoints"),
     # the datasets between stages: schemas, sources, the catalog of paths, DVC

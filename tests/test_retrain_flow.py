@@ -20,6 +20,16 @@ def _set(root, path: str, value) -> None:
     (root / "pipelines.yaml").write_text(yaml.safe_dump(config))
 
 
+def _markdown_artifact(key: str) -> str:
+    """The newest Prefect artifact under `key`, as the Prefect UI shows it."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    return max(found, key=lambda a: a.created).data
+
+
 @pytest.mark.slow
 def test_retrain_runs_caches_and_reruns_only_what_changed(project, prefect_server):
     from mlflow import MlflowClient
@@ -55,6 +65,20 @@ def test_retrain_runs_caches_and_reruns_only_what_changed(project, prefect_serve
     assert version.tags["flywheel.promotion"] == "gate" and version.tags["prefect.flow_run_id"]
     evaluated = {a.path for a in client.list_artifacts(children["evaluate"].info.run_id)}
     assert {"gate.json", "gate_slices.png"} <= evaluated
+    # the version's page says the decision first, then the held-out table with the null row (docs/model-page.md)
+    described = version.description
+    assert described.startswith("**Gate: passed.** Version 1 (aliases: `challenger`, `champion`); it is champion.")
+    assert "\n| null (empty answer) | 0.000" in described and "| rl (candidate) |" in described
+    assert f"runs/{children['evaluate'].info.run_id})" in described and "`data/small/synthesize" in described
+    assert not any(k.startswith("flywheel.data.") for k in version.tags), "no copies of the flywheel.dvc.* tags"
+    assert not any(k.startswith("flywheel.dvc.") and not k.startswith(("flywheel.dvc.data/", "flywheel.dvc.models/"))
+                   for k in version.tags), "the code the version ran is its git commit"
+    for stage, png in (("sft", "plots/sft_loss.png"), ("rl", "plots/rl_reward_mean.png")):
+        assert png in {a.path for a in client.list_artifacts(children[stage].info.run_id, "plots")}
+    assert "summary.md" in {a.path for a in client.list_artifacts(children["register"].info.run_id)}
+    model_page = _markdown_artifact("small-model")
+    assert model_page.splitlines()[0] == described.splitlines()[0]
+    assert model_page.count("](data:image/png;base64,") == 3  # the slices, the SFT loss, the RL reward
 
     second = retrain(pipeline="small", root=str(project))
     assert second.ran == [] and second.version == "1"

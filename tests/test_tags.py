@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 NAMES = {value for key, value in vars(tags).items() if key.endswith("_TAG") and isinstance(value, str)}
 # the families: what each function puts before its argument
 FAMILIES = {fn("") for fn in (tags.stage_state_tag, tags.out_tag, tags.policy_tag, tags.gate_diff_tag,
-                              tags.score_tag, tags.pass_rate_tag, tags.reference_tag, tags.data_tag, tags.dvc_tag)}
+                              tags.score_tag, tags.pass_rate_tag, tags.reference_tag, tags.dvc_tag)}
 FAMILIES |= {tags.stage_run_tag("{}").partition("{}")[0]}
 
 

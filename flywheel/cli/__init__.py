@@ -2,8 +2,8 @@
 
 app.py holds the Typer apps and shared options; errors.py how a failed command reports; preflight.py the checks
 before run, check and eval; render.py what the commands print (conversations.py: the episodes `eval --show`
-prints); pipeline.py, inspection.py and servers.py the commands themselves. `flywheel --help` lists them from
-their docstrings.
+prints); pipeline.py, inspection.py, servers.py and ui.py the commands themselves. `flywheel --help` lists them
+from their docstrings.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import typer
 
 # isort: off
 # the order `flywheel --help` lists the commands' panels in
-from flywheel.cli import pipeline, inspection, servers
+from flywheel.cli import pipeline, inspection, servers, ui
 # isort: on
 from flywheel.cli.app import app
 from flywheel.cli.errors import invocation
 
-__all__ = ["app", "inspection", "pipeline", "reported_commands", "servers"]
+__all__ = ["app", "inspection", "pipeline", "reported_commands", "servers", "ui"]
 
 
 def reported_commands() -> list[str]:

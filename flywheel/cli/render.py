@@ -33,6 +33,7 @@ def print_summary(summary: RetrainSummary, root: Path, seconds: float) -> None:
     to look."""
     from rich.console import Console
 
+    from flywheel.cli.ui import ui_commands
     from flywheel.evaluate.report import reference_line
 
     console = Console()
@@ -65,13 +66,11 @@ def print_summary(summary: RetrainSummary, root: Path, seconds: float) -> None:
                   f"(aliases: {', '.join(summary.aliases) or 'none'}); {champion}")
     console.print(f"stages run: {', '.join(summary.ran) or 'none'}; cached: {', '.join(summary.cached) or 'none'}"
                   f"; {seconds:.0f}s")
-    state = root / ".flywheel"
-    console.print("\nlook at it:")
-    # MLflow reads its telemetry switch from the environment alone; Prefect also from prefect.toml in the root
-    console.print(f"  MLflow UI:  MLFLOW_DISABLE_TELEMETRY=true {sys.executable.rsplit('/', 1)[0]}/mlflow ui "
-                  f"--backend-store-uri {os.environ['MLFLOW_TRACKING_URI']} --port 5000")
-    console.print(f"  Prefect UI: PREFECT_HOME={state / 'prefect'} {sys.executable.rsplit('/', 1)[0]}/prefect "
-                  "server start --port 4200")
+    console.print("\nlook at it (each command is one line; `flywheel ui` starts both):")
+    for name, command in ui_commands(root).items():
+        console.print(f"  {name}:")
+        # never folded: a command cut over two lines does not run when pasted
+        console.print(f"    {command}", soft_wrap=True, highlight=False, markup=False)
 
 
 def print_eval(result, pipeline: str) -> None:
@@ -94,27 +93,38 @@ def print_eval(result, pipeline: str) -> None:
     console.print(f"MLflow run {result.run_id} (experiment '{pipeline}', run name 'eval')")
 
 
+def terminal_width(default: int = 120) -> int:
+    """The columns to print in: COLUMNS when set (a shell exports it), the terminal's own, else `default` (a pipe
+    or a file: rich alone would assume 80)."""
+    from rich.console import Console
+
+    if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+        return Console().width
+    return default
+
+
 def print_status(pipeline: str, state, next_run_line: str) -> None:
-    """`flywheel status`: the aliases, the last retrain runs with their gate, the data versions, the schedule."""
+    """`flywheel status`: the aliases, the last retrain runs with their gate, the data versions, the schedule;
+    in 120 columns (run ids cut to the 8 characters `compare` and `rerun` also take)."""
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(140, Console().width))
+    console = Console(width=terminal_width())
     models = Table(title=f"{pipeline}: registered model")
-    for column in ("alias", "version", "mean reward", "pass rate", "registered", "from pipeline run", "gate",
+    for column in ("alias", "version", "mean reward", "pass rate", "registered", "pipeline run", "gate",
                    "promotion"):
-        models.add_column(column)
+        models.add_column(column, no_wrap=column in ("registered", "pipeline run"))
     for a in state.aliases:
         models.add_row(a.alias, a.version, fmt(a.score), fmt(a.pass_rate),
-                       a.registered.strftime("%Y-%m-%d %H:%M UTC"), a.pipeline_run, a.gate, a.promotion)
+                       a.registered.strftime("%Y-%m-%d %H:%M UTC"), a.pipeline_run[:8], a.gate, a.promotion)
     console.print(models if state.aliases else f"{pipeline}: no registered version yet")
     runs = Table(title=f"{pipeline}: the last {len(state.runs)} retrain runs")
     for column in ("run", "started", "state", "gate", "version", "stages", "rerun of"):
-        runs.add_column(column, overflow="fold")
+        runs.add_column(column, overflow="fold", no_wrap=column in ("run", "started"))
     for r in state.runs:
         kinds = {how: [s for s, h in r.stages.items() if h == how] for how in dict.fromkeys(r.stages.values())}
         stages = "; ".join(f"{how}: {' '.join(names)}" for how, names in kinds.items())
-        runs.add_row(r.run_id, r.started.strftime("%Y-%m-%d %H:%M UTC"), r.status, r.gate, r.version, stages,
+        runs.add_row(r.run_id[:8], r.started.strftime("%Y-%m-%d %H:%M UTC"), r.status, r.gate, r.version, stages,
                      r.rerun_of[:8])
     console.print(runs if state.runs else f"{pipeline}: no retrain runs yet (`flywheel run {pipeline}`)")
     data = state.data_versions()

@@ -1,9 +1,7 @@
 """What the gate looked at, for people: per-model and per-slice scores (mean reward with its bootstrap interval, and
-pass rate, side by side), the reference arms' shares, and the plot."""
+pass rate, side by side), the reference arms' shares."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pandas as pd
 
@@ -96,33 +94,3 @@ def reference_line(name: str, ref: dict) -> str:
     return (f"reference '{name}': pass rate {ref['pass_rate']:.3f}; the candidate reaches {share} of it at "
             f"{cost}{missing}")
 
-
-def plot_slices(scores: pd.DataFrame, path: Path, title: str) -> Path | None:
-    """A bar chart of per-slice scores with their intervals as PNG; None when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    slices = list(dict.fromkeys(scores["slice"]))
-    models = list(dict.fromkeys(scores["model"]))
-    width = 0.8 / max(len(models), 1)
-    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(slices) + 2), 3.5))
-    for i, model in enumerate(models):
-        part = scores[scores["model"] == model].set_index("slice").reindex(slices)
-        xs = [j + i * width for j in range(len(slices))]
-        errors = [(part["score"] - part["low"]).clip(lower=0).fillna(0),
-                  (part["high"] - part["score"]).clip(lower=0).fillna(0)]
-        ax.bar(xs, part["score"].fillna(0), width, yerr=errors, capsize=3, label=model)
-    ax.set_xticks([j + width * (len(models) - 1) / 2 for j in range(len(slices))], slices)
-    ax.set_ylim(0, 1.05)
-    ax.set_ylabel("held-out reward")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
