@@ -138,7 +138,7 @@ def test_dvc_repro_runs_flywheel_stage_for_what_changed(ran):
 
 
 def test_dvc_asks_about_one_pipeline_where_another_never_ran(ran):
-    """The README's per-pipeline `dvc status` and `dvc repro --dry` work beside a pipeline that never ran, where
+    """docs/pipeline.md's per-pipeline `dvc status` and `dvc repro --dry` work beside a pipeline that never ran, where
     a bare `dvc repro --dry` fails (DVC hashes the deps a dry run does not write)."""
     from tasks.spec import dvc_yaml
 
