@@ -61,7 +61,7 @@ bench: $(SMOL_STAMP)
 	$(BIN)/python benchmarks/stack.py
 
 # The servers a company runs, as processes on 127.0.0.1 (PostgreSQL, S3, Prefect and MLflow, two workers):
-# `flywheel stack status`, `flywheel stack down`; README "Running it like a company".
+# `flywheel stack status`, `flywheel stack down`; docs/operations.md.
 stack: $(STAMP)
 	$(BIN)/flywheel stack up
 

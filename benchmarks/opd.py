@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "pipelines.yaml"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[3, 4, 5])
     parser.add_argument("--arms", nargs="+", choices=["sft", "rl", "opd"], default=["sft", "rl", "opd"])
-    # the OPD run: the pipeline's rl section with these changes (chosen on seeds 0-2: see the README)
+    # the OPD run: the pipeline's rl section with these changes (chosen on seeds 0-2: see docs/rl.md)
     parser.add_argument("--objective", choices=["opd", "reward+opd"], default="reward+opd")
     parser.add_argument("--opd-steps", type=int, default=100)
     parser.add_argument("--opd-lr", type=float, default=3e-4)

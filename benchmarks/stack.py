@@ -120,7 +120,7 @@ def main() -> None:
                     if time.monotonic() > deadline:
                         sys.exit(f"the victim run did not take the lock within 300 s ({state.name})")
                     time.sleep(0.2)
-                time.sleep(10)  # its first heartbeat sent: a run killed before any is left to status (README)
+                time.sleep(10)  # first heartbeat sent: a run killed before any is left to status (docs/operations.md)
                 for name in [n for n in recorded.pids if n.startswith("worker-")]:
                     os.killpg(recorded.pids[name], signal.SIGKILL)
                 os.kill(json.loads(record.read_text())["pid"], signal.SIGKILL)

@@ -10,8 +10,8 @@ same way) so that a waiter killed with a flow run of its own is found too.
 `flywheel run` takes the lock before anything slow and the retrain flow then runs under it (the lock is
 re-entrant within a thread); a deployment's flow run, with no command around it, takes it in the flow.
 
-A run that ends by an error or a signal reports its own end (Prefect and MLflow, as the table in the README's
-"Reruns and status" says); what it could not report stays in its record. A holder that ended without clearing its
+A run that ends by an error or a signal reports its own end (Prefect and MLflow, as the table in docs/reruns.md
+says); what it could not report stays in its record. A holder that ended without clearing its
 record (SIGKILL, out of memory, a state that did not reach the server) is found by the next `flywheel run` of any
 pipeline of the project or by `flywheel status`: what it left running is stopped (flows/processes.py), its record
 moves to `<pipeline>.<pid>.dead`, and its Prefect flow run and MLflow runs are marked where they still say
@@ -42,7 +42,7 @@ from flywheel.errors import UserFacingError
 from flywheel.settings import state_dir
 
 _WAIT_POLL_S = 1.0
-# how a run ended -> (its Prefect flow run's state, its MLflow runs' status); README "Reruns and status"
+# how a run ended -> (its Prefect flow run's state, its MLflow runs' status); docs/reruns.md
 STOPPED, FAILED = "stopped", "failed"
 END_STATES = {STOPPED: ("CRASHED", "KILLED"), FAILED: ("FAILED", "FAILED")}
 _HELD = threading.local()  # .locks: the locks this thread holds, by lock file (a flow runs in its caller's thread)

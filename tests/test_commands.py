@@ -138,10 +138,10 @@ def test_dvc_repro_runs_flywheel_stage_for_what_changed(ran):
 
 
 def test_dvc_asks_about_one_pipeline_where_another_never_ran(ran):
-    """The README's per-pipeline `dvc status --with-deps` and `dvc repro --dry` work beside a pipeline that never
-    ran, where a bare `dvc repro --dry` fails (DVC hashes the deps a dry run does not write) and a bare `dvc status`
-    lists every stage of the pipeline that never ran. Without --with-deps, `dvc status register@small` looks at
-    register alone: a changed file upstream (here collect's code) is not in its answer."""
+    """docs/pipeline.md's per-pipeline `dvc status --with-deps` and `dvc repro --dry` work beside a pipeline that
+    never ran, where a bare `dvc repro --dry` fails (DVC hashes the deps a dry run does not write) and a bare `dvc
+    status` lists every stage of the pipeline that never ran. Without --with-deps, `dvc status register@small`
+    looks at register alone: a changed file upstream (here collect's code) is not in its answer."""
     from tasks.spec import dvc_yaml
 
     files = {name: (ran.root / name).read_text() for name in ("pipelines.yaml", "dvc.yaml", "tasks/collect.py")}

@@ -1,6 +1,6 @@
 """The import graph, read from the source with `ast`: no cycles, and the arrows point one way.
 
-`cli -> flows -> tasks -> flywheel -> libraries` (/work/shared/DESIGN.md, README "Layout"): nothing in
+`cli -> flows -> tasks -> flywheel -> libraries` (/work/shared/DESIGN.md, docs/layout.md): nothing in
 flywheel/ but flywheel/cli/ imports Prefect, tasks/ or flows/, and tasks/ never imports flows/. An import inside a
 function counts like one at the top of the module: moving an import into a function defers it, it does not
 remove the dependency, so a cycle through one is still a cycle (what `flywheel stage` or a worker imports

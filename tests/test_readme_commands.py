@@ -1,4 +1,5 @@
-"""Every command that README.md and infra/README.md show works on this checkout, as the README writes it.
+"""Every command that README.md, infra/README.md and the pages under docs/ show works on this checkout, as the page
+writes it (a command moved from one page to another is checked where it lands; a new page is read as it is added).
 
 Which text is a command:
 - every line of a ```bash (or sh, shell) block: a trailing `\\` joins the next line, `# ...` outside quotes is
@@ -16,7 +17,7 @@ so a new README command is made runnable here or listed in NOT_RUN with the reas
 - make: `make -n TARGET` works and its recipe calls what MAKE_CALLS says.
 - benchmark: the script is run with `--quick` (the same code path on tiny sizes) and prints its figures as one
   JSON line last (slow); every benchmarks/*.py is run so, except the ones in NOT_RUN_HERE.
-- help: a command of a tool the project depends on (Prefect, MLflow, DVC): `TOOL SUBCOMMAND --help` works and
+- help: a command of a tool the project depends on (Prefect, MLflow, DVC, mkdocs): `TOOL SUBCOMMAND --help` works and
   names every option the README passes.
 - server: the tests' OpenAI-compatible server is started, answers, and is stopped.
 - not run: NOT_RUN says why.
@@ -40,18 +41,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-READMES = [REPO / "README.md", REPO / "infra" / "README.md"]
+READMES = [REPO / "README.md", REPO / "infra" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BIN = Path(sys.executable).parent
 
 PROGRAMS = {"flywheel", "make", "python", "bash", "dvc", "git", "prefect", "mlflow", "docker", "kubectl", "vllm",
-            "accelerate", "rm", "export", "pip"}
+            "accelerate", "rm", "export", "pip", "mkdocs"}
 
 RULES = [
     (r"flywheel ", "flywheel"),
     (r"make ", "make"),
     (r"python benchmarks/\w+\.py", "benchmark"),
     (r"python tests/openai_server\.py", "server"),
-    (r"(prefect|mlflow|dvc) ", "help"),
+    (r"(prefect|mlflow|dvc|mkdocs) ", "help"),
     (r"python -m tasks\.spec > dvc\.yaml$", "generate"),
 ]
 NOT_RUN = {
@@ -77,7 +78,7 @@ MAKE_CALLS = {"demo": ["flywheel run demo"], "test": ["pytest -q -n auto"],
 # Subcommands whose --help the help rule reads; a tool command naming another one is unclassified.
 TOOL_SUBCOMMANDS = ["prefect server start", "prefect worker start", "prefect work-pool create", "mlflow ui",
                     "mlflow server", "dvc remote add", "dvc remote modify", "dvc pull", "dvc push", "dvc repro",
-                    "dvc status", "dvc commit", "dvc checkout", "mlflow models serve"]
+                    "dvc status", "dvc commit", "dvc checkout", "mlflow models serve", "mkdocs serve", "mkdocs build"]
 # Benchmarks the tests do not run, with the reason; `make bench` need not run them either.
 # Benchmarks whose --quick form cannot run here either (none today: gpu_check.py --quick runs its path on the CPU).
 NOT_RUN_HERE: dict[str, str] = {
@@ -220,6 +221,7 @@ def _fill(command: str, values: list[str] | None = None) -> str:
 
 def test_every_readme_command_is_classified():
     assert len(COMMANDS) > 30, "the README parser found too few commands"
+    assert any(name.startswith("docs/") for name, _, _ in COMMANDS), "no command found in the pages under docs/"
     unknown = [f"{name}: {command}" for name, command, _ in COMMANDS if classify(command) is None]
     assert not unknown, ("README commands this test does not know how to check (make them runnable here, or add "
                          "them to NOT_RUN with the reason):\n" + "\n".join(unknown))

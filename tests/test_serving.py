@@ -298,12 +298,13 @@ def test_the_backend_is_transformers_without_vllm_and_a_gpu():
 
 
 def _readme_serve_command() -> str:
-    """The README's `mlflow models serve` command, its lines joined, as a user copies it."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    blocks = re.findall(r"^```bash\n(.*?)^```", readme, flags=re.M | re.S)
+    """The `mlflow models serve` command the README or a docs/ page shows, its lines joined, as a user copies it."""
+    repo = Path(__file__).resolve().parent.parent
+    pages = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+    blocks = [b for page in pages for b in re.findall(r"^```bash\n(.*?)^```", page.read_text(), flags=re.M | re.S)]
     lines = [line.strip() for block in blocks for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
     commands = [line for line in lines if "mlflow models serve" in line]
-    assert len(commands) == 1, f"README.md should show one `mlflow models serve` command, shows {commands}"
+    assert len(commands) == 1, f"README.md and docs/ should show one `mlflow models serve` command, show {commands}"
     return commands[0]
 
 
@@ -332,7 +333,7 @@ def test_the_readme_mlflow_models_serve_command_answers_and_streams(uri, store, 
     port = free_port()
     command = _readme_serve_command()
     mine = command.replace("models:/demo@champion", f"models:/{NAME}@champion").replace("-p 5001", f"-p {port}")
-    assert mine.count(NAME) == 1 and str(port) in mine, f"the README's command changed shape: {command}"
+    assert mine.count(NAME) == 1 and str(port) in mine, f"the documented command changed shape: {command}"
     # a checkout after `make demo` (its .venv, its MLflow store), in a shell with no venv activated
     venv_bin = Path(sys.executable).parent
     checkout = tmp_path / "checkout"

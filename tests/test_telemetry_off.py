@@ -1,4 +1,4 @@
-"""Analytics off for the commands the README shows, run from the project root without `make` or `flywheel`."""
+"""Analytics off for the commands the README and docs/ show, run from the project root without `make` or `flywheel`."""
 
 from __future__ import annotations
 
@@ -26,9 +26,11 @@ def test_prefect_commands_in_the_project_root_send_no_analytics(tmp_path):
 
 
 def test_the_readme_mlflow_commands_carry_the_telemetry_switch():
-    """MLflow reads its switch from the environment alone: every `mlflow` command the README shows sets it."""
-    readme = re.sub(r"\\\n\s*", " ", (REPO / "README.md").read_text())  # a command's continued lines joined
-    lines = [line for line in readme.splitlines()
+    """MLflow reads its switch from the environment alone: every `mlflow` command the README or a docs/ page shows
+    sets it."""
+    text = "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+    text = re.sub(r"\\\n\s*", " ", text)  # a command's continued lines joined
+    lines = [line for line in text.splitlines()
              if re.search(r"mlflow (ui|server|models serve) ", line) and not re.search(r"`[^`]*mlflow", line)]
-    assert len(lines) >= 2, "the README shows mlflow commands"
+    assert len(lines) >= 2, "the README and docs/ show mlflow commands"
     assert all("MLFLOW_DISABLE_TELEMETRY=true" in line for line in lines), lines

@@ -2,8 +2,8 @@
 environment's prompts: the tiny student when they are short, SmolLM2-135M-Instruct when they are long.
 
 Why length decides: the two-layer tiny student learns to copy a few tokens back (the calculator's operands into
-its tool call and its answer) but never copies the support desk's customer email from ~100 tokens back (README,
-Measured: support), while a pretrained student copies from the start. The rule: the tiny student when the
+its tool call and its answer) but never copies the support desk's customer email from ~100 tokens back
+(docs/measured.md: support), while a pretrained student copies from the start. The rule: the tiny student when the
 longest first-turn prompt of the environment's first SAMPLE_TASKS tasks (their system and user messages and the
 tools, rendered in the tiny student's template, as it would be prompted) is at most AUTO_TINY_MAX_BYTES UTF-8
 bytes, else SmolLM2. Bytes, because the tiny student's tokenizer is trained in SFT: its byte-level BPE tokens

@@ -1,6 +1,6 @@
 """Early stopping for RL: keep the policy version that does best on a validation sample of train tasks.
 
-RL on a small student often improves a hard slice for a while and then unlearns an easy one (README: "RL that
+RL on a small student often improves a hard slice for a while and then unlearns an easy one (docs/rl.md: "RL that
 pays for itself"); the last version is then worse than one on the way. With `rl.keep_best`, the first
 `validate_tasks` train tasks by task id are set aside (RL never draws them), every `validate_every` steps and
 before the first the live policy answers them greedily, and the run's output is the best version: most passed,
