@@ -270,11 +270,16 @@ def test_expected_actions_are_the_target_writes_where_the_record_has_them(collec
     moved = [{**a, "arguments": {**a["arguments"], "amount": a["arguments"]["amount"] + 10}}
              if a["name"] == "transfer_funds" else a for a in expected]
     labelled = env.task_from_trace({**row, "expected_actions": json.dumps(moved)}, 0.25)
-    assert env.score(labelled, messages).breakdown["writes"] == 0.0, "the label, not the recording, is the target"
-    # a rejected attempt at the same scenario did one wrong write: against the scenario's label it scores 0
-    rejected = next(r for r in traces.to_dict("records") if r["outcome"] == "rejected" and r["expected_actions"])
-    graded = env.task_from_trace({**rejected, "outcome": "accepted"}, 0.25)
-    assert env.score(graded, json.loads(rejected["messages"])).breakdown["writes"] == 0.0
+    # the rewarded conversation contradicts its label: scored by what the two agree on (the accounts, not the amount)
+    assert env.agreement(labelled).disputes == ["transfer_funds made with other amount than expected"]
+    assert env.score(labelled, messages).breakdown["writes"] == 1.0
+    write_at = next(i for i, m in enumerate(messages) if any(
+        c["function"]["name"] == "transfer_funds" for c in m.get("tool_calls") or []))
+    other = copy.deepcopy(messages)
+    call = other[write_at]["tool_calls"][0]["function"]
+    call["arguments"] = json.dumps({**json.loads(call["arguments"]), "to_account": "ACC-0000"})
+    assert env.score(labelled, other).breakdown["writes"] == 0.0, "what both agree on is still required"
+    assert env.score(labelled, messages[:write_at]).breakdown["writes"] == 0.0, "and must be made"
     # without expected actions (the scored source) the recorded writes are the target
     scored = next(t for t in env.recorded_tasks() if t.slice == "replay/scored")
     assert scored.data["expected"] is None and env.score(scored, recorded_conversations(root)[scored.task_id]).passed

@@ -88,6 +88,7 @@ def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipe
 def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bool:
     """`check --solve` over each pipeline's environment: its report printed; False when one has errors."""
     from flywheel.agent import load_harness
+    from flywheel.data.tasksets import recorded_conversations
     from flywheel.dryrun import NoTasksError, dry_run, render
     from flywheel.settings import configure
 
@@ -96,7 +97,7 @@ def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bo
     for name, cfg in pipelines.items():
         harness = load_harness(cfg.environment, root, pipeline=name)  # replay: the pipeline's collected tasks
         try:
-            report = dry_run(name, cfg, harness, sample=sample)
+            report = dry_run(name, cfg, harness, sample=sample, conversations=recorded_conversations(root, name))
         except NoTasksError as err:
             if named:
                 fail_each([str(err)], code=1)

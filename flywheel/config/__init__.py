@@ -24,6 +24,7 @@ from flywheel.config.collect import (
     CollectConfig,
     FieldMapping,
     OutcomeRule,
+    TurnLayout,
     RedactionConfig,
     RedactionKind,
     SourceConfig,
@@ -49,7 +50,7 @@ from flywheel.config.training import (
 
 __all__ = ["OBJECTIVES", "REDACTION_KINDS", "CollectConfig", "ConfigError", "EndpointConfig", "EnvironmentConfig",
            "EvaluateConfig", "FieldMapping", "GateConfig", "LoRAConfig", "OPDConfig", "OPDObjective", "Objective",
-           "OutcomeRule", "PipelineConfig", "PipelinesFile", "RLConfig", "RedactionConfig", "RedactionKind",
+           "OutcomeRule", "TurnLayout", "PipelineConfig", "PipelinesFile", "RLConfig", "RedactionConfig", "RedactionKind",
            "ReferenceConfig", "ReplayConfig", "ReplayJudgeConfig", "RewardOPDObjective", "RewardObjective",
            "SFTConfig", "ScheduleConfig", "Section", "SourceConfig", "StudentConfig", "SynthesizeConfig",
            "TeacherConfig", "TinyModelConfig", "TriggerConfig", "UserConfig", "load_each", "load_pipeline",

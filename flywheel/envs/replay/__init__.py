@@ -18,7 +18,6 @@ arguments than the recorded ones that would also have been right, or a read whos
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,11 +32,9 @@ from flywheel.envs.replay.rubric import (
     answers,
     combine,
     facts_stated,
-    model_calls,
     scored_part,
-    wanted_writes,
-    writes_made,
 )
+from flywheel.envs.replay.writes import Agreement, WriteRules, agreement, model_writes, recorded_writes, writes_match
 
 NAME = "replay"
 
@@ -72,7 +69,8 @@ class ReplayEnv(Environment):
         self.base = base
         self.name = NAME if base is None else f"{base.name}+{NAME}"
         self.tasks_table = tasks_table  # the pipeline's tasks: what tools() offers (read on first use)
-        self._reads = re.compile(f"(?:{self.cfg.reads})", re.IGNORECASE)
+        self.rules = WriteRules.from_config(self.cfg)
+        self._named: set[str] = set()  # the tools the expected actions of the tasks built here name
         self._judge = None
         if self.cfg.judge is not None:
             from flywheel.envs.judge import JudgeReward
@@ -167,9 +165,11 @@ class ReplayEnv(Environment):
         task = Task(task_id=prompt_hash(record.prompt), env=NAME, prompt=record.prompt,
                     answer=json.dumps(data, ensure_ascii=False, sort_keys=True), slice=f"{NAME}/{source}",
                     split=trace.get("split") or "train", group=trace.get("group") or "")
-        if not wanted_writes(task, self._reads) and not record.facts and self._judge is None:
+        named = self.named() | {name for name, _ in expected or []}
+        if not self.agreement(task, named).required and not record.facts and self._judge is None:
             return None  # nothing the rubric could check: an empty answer would pass it
         with self._lock:
+            self._named.update(name for name, _ in expected or [])
             for schema in tools:
                 self._made.setdefault(schema["function"]["name"], schema)
         if outcome == "rejected":
@@ -188,6 +188,19 @@ class ReplayEnv(Environment):
             said = [m["content"] for m in [*record.prompt, *record.users] if m.get("role") == "user"]
             return {"scenario": "Say, in turn, when the assistant answers: " + " | ".join(said),
                     "scenario_by": "recorded turns"}
+
+    # --- what changed state
+
+    def named(self) -> set[str]:
+        """The tools the logs' expected actions name (every collected task's, and those built here)."""
+        return self._named | {name for t in self.recorded_tasks() for name, _ in t.data.get("expected") or []}
+
+    def agreement(self, task: Task, named: set[str] | None = None) -> Agreement:
+        """The writes a replay task requires and allows, and where its label and its recording disagree."""
+        named = self.named() if named is None else named
+        data = task.data
+        recorded = recorded_writes(data["calls"][:data["target"]], self.rules, named)
+        return agreement(data.get("expected"), recorded, self.rules, named)
 
     # --- episodes
 
@@ -245,12 +258,13 @@ class ReplayEnv(Environment):
         each part weighed only where there is something to check (rubric.py)."""
         if task.env != NAME:
             return self.base.score(task, messages, state.inner if isinstance(state, BaseState) else state)
-        data = task.data
-        wanted, made = wanted_writes(task, self._reads), model_calls(task, messages)
+        data, named = task.data, self.named()
+        agreed = self.agreement(task, named)
+        made = model_writes(scored_part(task, messages), self.rules, named)
         said = answers(task, messages)
         parts, weights = {}, {}
-        if wanted or any(not self._reads.match(name) for name, _ in made):
-            parts["writes"] = writes_made(wanted, made, self._reads, self.cfg.fuzzy)
+        if agreed.required or made:
+            parts["writes"] = writes_match(agreed.required, agreed.allowed, made, self.rules)
             weights["writes"] = self.cfg.writes_weight
         if data["facts"]:
             parts["facts"] = facts_stated(data["facts"], said)
