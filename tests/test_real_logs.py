@@ -1,0 +1,163 @@
+"""Replay on logs written by others: the conversations they rewarded pass their own rubric, and less does not.
+
+A slice of ToolTalk (tests/data/real_logs/tooltalk, MIT: its LICENSE beside it) read through the config of
+examples/real_logs/tooltalk.yaml alone; then generated cases of what real logs do that broke replay before:
+tools that change nothing but are not named like reads, a retry after a tool error, a hand-off the label does not
+list, free text in the agent's own words, a label the rewarded conversation contradicts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from flywheel.agent import Harness, Limits, load_harness
+from flywheel.config import ReplayConfig, load_pipeline
+from flywheel.data.tasksets import recorded_conversations
+from flywheel.dryrun import dry_run
+from flywheel.envs.replay import ReplayEnv
+from flywheel.replaycheck import check_replay, drop_last_write
+
+HERE = Path(__file__).parent
+CONFIG = HERE.parent / "examples" / "real_logs" / "tooltalk.yaml"
+SLICE = HERE / "data" / "real_logs" / "tooltalk"
+FLYWHEEL = [str(Path(shutil.which("flywheel") or "/work/main/.venv/bin/flywheel"))]
+
+
+def _project(root: Path, replay: dict | None = None) -> None:
+    config = yaml.safe_load(CONFIG.read_text())
+    if replay is not None:
+        config["pipelines"]["tooltalk"]["environment"]["replay"].update(replay)
+    (root / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    shutil.copytree(SLICE, root / "logs" / "tooltalk")
+
+
+def test_toolTalk_through_the_config_alone_passes_replay_and_its_perturbations_do_not(tmp_path, mlflow_store):
+    from tasks.collect import collect
+
+    _project(tmp_path)
+    result = collect.fn(pipeline="tooltalk", root=str(tmp_path))
+    assert result.metrics["records"] == 8 and result.metrics["quarantined"] == 0
+    assert result.metrics["outcome_accepted"] == 8, "a reference conversation has no score: `missing: accepted`"
+    cfg = load_pipeline("tooltalk", tmp_path / "pipelines.yaml")
+    report = dry_run("tooltalk", cfg, load_harness(cfg.environment, tmp_path, pipeline="tooltalk"),
+                     conversations=recorded_conversations(tmp_path, "tooltalk"))
+    check = report.replay
+    assert check is not None and not report.errors, report.errors
+    recorded = check.arms["recorded"]
+    assert len(recorded.episodes) >= 7 and recorded.passed == len(recorded.episodes)
+    for name in ("null", "id-only"):
+        assert check.arms[name].mean <= 0.05 and check.arms[name].passed == 0, name
+    for name in ("drop-last-write", "wrong-argument"):
+        arm = check.arms[name]
+        assert len(arm.episodes) >= 5, name
+        assert all(e.reward < recorded.episodes[t].reward for t, e in arm.episodes.items()), name
+
+    # the same through the command; a rubric blind to writes fails it (exit 1), naming the perturbation
+    ok = subprocess.run([*FLYWHEEL, "check", "--solve", "-p", "tooltalk"], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "recorded:" in ok.stdout and "drop-last-write:" in ok.stdout and "wrong-argument:" in ok.stdout
+    config = yaml.safe_load((tmp_path / "pipelines.yaml").read_text())
+    config["pipelines"]["tooltalk"]["environment"]["replay"]["writes_weight"] = 0.0
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    blind = subprocess.run([*FLYWHEEL, "check", "--solve", "-p", "tooltalk"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert blind.returncode == 1, blind.stdout + blind.stderr
+    assert "drop-last-write" in blind.stdout and "score as high as the recorded one" in blind.stdout
+
+
+# --- generated cases
+
+
+def _call(i: int, name: str, arguments: dict) -> dict:
+    return {"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def _conversation(calls: list[tuple[str, dict, str]], answer: str = "All done.") -> list[dict]:
+    """A system prompt, one user turn, the agent's calls one a turn (each answered), its answer, a user thanks."""
+    messages = [{"role": "system", "content": "You are a support agent."},
+                {"role": "user", "content": "Please cancel order W100 for user ana_1."}]
+    for i, (name, arguments, result) in enumerate(calls):
+        messages += [{"role": "assistant", "content": None, "tool_calls": [_call(i, name, arguments)]},
+                     {"role": "tool", "tool_call_id": f"c{i}", "content": result}]
+    return messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Thanks, bye."},
+                       {"role": "assistant", "content": "Goodbye."}]
+
+
+def _trace(messages: list[dict], expected: list[dict] | None = None) -> dict:
+    return {"messages": messages, "tools": [], "outcome": "accepted", "source": "logs", "split": "train",
+            "expected_actions": json.dumps(expected) if expected is not None else ""}
+
+
+CANCEL = ("cancel_order", {"order_id": "W100", "reason": "no longer needed"}, '{"status": "cancelled"}')
+LOOKUP = ("get_order_details", {"order_id": "W100"}, '{"order_id": "W100", "status": "pending"}')
+
+
+def _scores(env: ReplayEnv, task, messages) -> tuple[float, float]:
+    """(the recorded conversation's reward, the reward with its last required write dropped)."""
+    less = drop_last_write(env, task, messages)
+    return env.score(task, messages).reward, env.score(task, less).reward if less is not None else -1.0
+
+
+def test_think_and_calculate_change_nothing_and_an_errored_call_changed_nothing():
+    env = ReplayEnv()
+    messages = _conversation([LOOKUP, ("think", {"thought": "The order is pending, so it can be cancelled."}, ""),
+                              ("calculate", {"expression": "2 + 2"}, "4"),
+                              ("cancel_order", {"order_id": "W100", "reason": "ordered by mistake"},
+                               "Error: reason must be 'no longer needed' or 'ordered by mistake'"),
+                              CANCEL])
+    task = env.task_from_trace(_trace(messages))
+    assert [w.name for w in env.agreement(task).required] == ["cancel_order"], "one write: the call that worked"
+    recorded, dropped = _scores(env, task, messages)
+    assert recorded == 1.0 and dropped < recorded
+
+
+def test_a_hand_off_is_judged_against_the_expected_actions_and_a_contradiction_is_reported():
+    env = ReplayEnv()
+    transfer = ("transfer_to_human_agents", {"summary": "The user wants a refund to a gift card, which I cannot do."},
+                '"Transfer successful"')
+    # another record of the logs expects a hand-off: the tool is a write, judged like any other
+    other = env.task_from_trace(_trace(_conversation([transfer]), [{"name": "transfer_to_human_agents",
+                                                                     "kwargs": {"summary": "Refund to gift card."}}]))
+    assert other is not None and env.score(other, _conversation([transfer])).passed, "free text: its own words"
+    messages = _conversation([LOOKUP, CANCEL, transfer])
+    expected = [{"name": "cancel_order", "kwargs": {"order_id": "W100", "reason": "no longer needed"}},
+                {"name": "modify_address", "kwargs": {"order_id": "W100", "zip": "10001"}}]
+    task = env.task_from_trace(_trace(messages, expected))
+    agreed = env.agreement(task)
+    assert agreed.disputes == ["expected modify_address was never made", "transfer_to_human_agents made, not expected"]
+    assert [w.name for w in agreed.required] == ["cancel_order"] and agreed.allowed == ["transfer_to_human_agents"]
+    recorded, dropped = _scores(env, task, messages)
+    assert recorded == 1.0 and dropped < recorded
+    wrong = _conversation([LOOKUP, ("cancel_order", {"order_id": "W101", "reason": "no longer needed"}, "{}"),
+                           transfer])
+    assert env.score(task, wrong).breakdown["writes"] == 0.0
+
+
+def test_free_text_arguments_follow_their_rule():
+    messages = _conversation([("send_email", {"to": "ana_1", "body": "Your order W100 was cancelled today."}, "{}")])
+    reworded = _conversation([("send_email", {"to": "ana_1", "body": "We cancelled order W100 for you today."}, "{}")])
+    loose = ReplayEnv()
+    task = loose.task_from_trace(_trace(messages))
+    assert loose.score(task, reworded).breakdown["writes"] == 1.0, "free text in its own words: not compared"
+    strict = ReplayEnv(ReplayConfig(arguments={"send_email.body": "normalised"}))
+    task = strict.task_from_trace(_trace(messages))
+    assert strict.score(task, reworded).breakdown["writes"] == 0.0
+    assert strict.score(task, json.loads(json.dumps(messages).replace("Your order", "your  ORDER"))).passed
+
+
+def test_the_check_names_the_tasks_whose_recorded_conversation_fails_and_a_perturbation_that_scores():
+    env = ReplayEnv(ReplayConfig(writes_weight=0.0))  # a rubric blind to writes: dropping one costs nothing
+    messages = _conversation([LOOKUP, CANCEL], answer="Order W100 is cancelled.")
+    task = env.task_from_trace(_trace(messages))
+    conversations = {task.task_id: messages}
+    check = check_replay(env, Harness(env, Limits(max_turns=4)), [task], conversations)
+    assert any(e.startswith("drop-last-write: 1 of 1") for e in check.errors), check.errors
+    half = {task.task_id: messages[:2] + [{"role": "assistant", "content": "Hello."}]}
+    check = check_replay(ReplayEnv(), Harness(ReplayEnv(), Limits()), [task], half)
+    assert any("pass their own rubric 0 of 1" in e for e in check.errors), check.errors
