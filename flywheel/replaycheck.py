@@ -217,3 +217,30 @@ def summary(report: ReplayCheck) -> dict:
     return {arm.name: {"tasks": len(arm.episodes), "reward_mean": round(arm.mean, 4),
                        "pass_rate": round(arm.passed / len(arm.episodes), 4) if arm.episodes else None}
             for arm in report.arms.values()}
+
+
+COLLECT_SAMPLE = 20  # recorded conversations the collect stage replays (seeded): a warning, not a failure
+
+
+def collect_findings(env, harness: Harness, tasks: list[Task], conversations: dict[str, list[dict]],
+                     sample: int = COLLECT_SAMPLE, seed: int = 0) -> tuple[int, list[str]]:
+    """At the end of collect: how many replay tasks' labels their rewarded conversation contradicts, and the
+    warnings (those, then the replay check over a seeded sample of the recorded accepted conversations)."""
+    import random
+
+    env.use_tasks(tasks)
+    replayed = [t for t in tasks if t.env == "replay" and t.data.get("outcome") == "accepted"]
+    disputed = [(t, env.agreement(t).disputes) for t in replayed]
+    disputed = [(t, d) for t, d in disputed if d]
+    warnings = []
+    if disputed:
+        examples = "; ".join(f"task {t.task_id} ({prompt_excerpt(t.prompt)}): {', '.join(d)}" for t, d in disputed[:3])
+        warnings.append(f"{len(disputed)} of {len(replayed)} rewarded conversations contradict their expected actions "
+                        f"(each scored by what the two agree on), e.g. {examples}")
+    chosen = [t for t in replayed if t.task_id in conversations]
+    chosen = chosen if len(chosen) <= sample else random.Random(seed).sample(chosen, sample)
+    if chosen:
+        report = check_replay(env, harness, chosen, conversations)
+        warnings += [f"replay check on {len(chosen)} recorded conversations (`flywheel check --solve` checks them "
+                     f"all): {e}" for e in report.errors]
+    return len(disputed), warnings

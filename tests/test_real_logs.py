@@ -36,11 +36,14 @@ def _project(root: Path, replay: dict | None = None) -> None:
     shutil.copytree(SLICE, root / "logs" / "tooltalk")
 
 
-def test_toolTalk_through_the_config_alone_passes_replay_and_its_perturbations_do_not(tmp_path, mlflow_store):
+def test_toolTalk_through_the_config_alone_passes_replay_and_its_perturbations_do_not(tmp_path, mlflow_store, capsys):
     from tasks.collect import collect
 
     _project(tmp_path)
     result = collect.fn(pipeline="tooltalk", root=str(tmp_path))
+    said = capsys.readouterr().out
+    assert "collect: kept 8 traces (8 accepted) of 8 records read, 0 quarantined;" in said, said
+    assert result.metrics["replay_contradicted"] == 0
     assert result.metrics["records"] == 8 and result.metrics["quarantined"] == 0
     assert result.metrics["outcome_accepted"] == 8, "a reference conversation has no score: `missing: accepted`"
     cfg = load_pipeline("tooltalk", tmp_path / "pipelines.yaml")
@@ -58,14 +61,14 @@ def test_toolTalk_through_the_config_alone_passes_replay_and_its_perturbations_d
         assert all(e.reward < recorded.episodes[t].reward for t, e in arm.episodes.items()), name
 
     # the same through the command; a rubric blind to writes fails it (exit 1), naming the perturbation
-    ok = subprocess.run([*FLYWHEEL, "check", "--solve", "-p", "tooltalk"], cwd=tmp_path, capture_output=True,
+    ok = subprocess.run([*FLYWHEEL, "check", "tooltalk", "--solve"], cwd=tmp_path, capture_output=True,
                         text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "recorded:" in ok.stdout and "drop-last-write:" in ok.stdout and "wrong-argument:" in ok.stdout
     config = yaml.safe_load((tmp_path / "pipelines.yaml").read_text())
     config["pipelines"]["tooltalk"]["environment"]["replay"]["writes_weight"] = 0.0
     (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump(config))
-    blind = subprocess.run([*FLYWHEEL, "check", "--solve", "-p", "tooltalk"], cwd=tmp_path, capture_output=True,
+    blind = subprocess.run([*FLYWHEEL, "check", "tooltalk", "--solve"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=300)
     assert blind.returncode == 1, blind.stdout + blind.stderr
     assert "drop-last-write" in blind.stdout and "score as high as the recorded one" in blind.stdout

@@ -111,6 +111,10 @@ class ReplayEnv(Environment):
             self._recorded = tasks
         return self._recorded
 
+    def use_tasks(self, tasks: list[Task]) -> None:
+        """Take these as the pipeline's tasks (collect, once it built them: the table read before is stale)."""
+        self._recorded = [t for t in tasks if t.env == NAME]
+
     def tools(self) -> list[dict]:
         """The base environment's tools, then every replay task's (the first schema of a name wins): the model
         sees one tool list in training and in eval."""
