@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from flywheel.agent import Harness, Limits, load_harness
@@ -72,6 +73,29 @@ def test_toolTalk_through_the_config_alone_passes_replay_and_its_perturbations_d
                            text=True, timeout=300)
     assert blind.returncode == 1, blind.stdout + blind.stderr
     assert "drop-last-write" in blind.stdout and "score as high as the recorded one" in blind.stdout
+
+
+def test_collected_prompts_over_the_students_context_fail_the_check_and_the_run_before_training(tmp_path,
+                                                                                               mlflow_store):
+    from flywheel.train.context import ContextError
+    from tasks.collect import collect
+    from tasks.sft import sft
+
+    _project(tmp_path)
+    config = yaml.safe_load((tmp_path / "pipelines.yaml").read_text())
+    config["pipelines"]["tooltalk"]["student"] = {"model": "tiny", "tiny": {"max_position_embeddings": 128}}
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    before = subprocess.run([*FLYWHEEL, "check", "tooltalk"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    assert before.returncode == 0, "before collect there is no prompt to measure: " + before.stdout + before.stderr
+    collect.fn(pipeline="tooltalk", root=str(tmp_path))
+    after = subprocess.run([*FLYWHEEL, "check", "tooltalk"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert after.returncode != 0
+    said = after.stdout + after.stderr
+    assert "longest first-turn prompt is" in said and "pipelines.tooltalk.student.tiny.max_position_embeddings" in said
+    with pytest.raises(ContextError, match="over the student's context of 128 tokens"):
+        sft.fn(pipeline="tooltalk", root=str(tmp_path))
 
 
 # --- generated cases
