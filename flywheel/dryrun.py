@@ -23,7 +23,7 @@ from flywheel.data.tasksets import own_tasks, short_splits
 from flywheel.errors import UserFacingError
 from flywheel.policies.null import NullPolicy
 from flywheel.policies.oracle import OraclePolicy
-from flywheel.replaycheck import ReplayCheck, check_replay
+from flywheel.replaycheck import ReplayCheck, check_replay, replayable
 from flywheel.replaycheck import render as render_replay
 
 NULL_WARNING = 0.2  # a null mean reward above this is a rubric that pays for doing nothing
@@ -92,7 +92,7 @@ def dry_run(pipeline: str, cfg: PipelineConfig, harness: Harness, sample: int | 
                     solver=None, null=PolicyRun("null"), describe={t.task_id: env.describe_task(t) for t in checked})
     if origin == "own":
         report.warnings += short_splits(env.name, splits, cfg.environment, cfg.collect.heldout_fraction)
-    if conversations is not None and hasattr(env, "agreement"):
+    if conversations is not None and replayable(env):
         report.replay = check_replay(env, harness, [t for t in checked if t.env == "replay"], conversations,
                                      lambda t: report.describe[t.task_id])
         report.errors += [f"replay: {e}" for e in report.replay.errors]

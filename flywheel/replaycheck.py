@@ -74,7 +74,11 @@ def drop_last_write(env, task: Task, messages: list[dict]) -> list[dict] | None:
     i, j, _ = found
     out = copy.deepcopy(messages)
     call = out[i]["tool_calls"].pop(j)
-    out = [m for m in out if not (m.get("role") == "tool" and m.get("tool_call_id") == call.get("id"))]
+    # its result: the first tool message after it with its id (agents reuse ids from turn to turn)
+    k = next((k for k in range(i + 1, len(out)) if out[k].get("role") == "tool"
+              and out[k].get("tool_call_id") == call.get("id")), None)
+    if k is not None:
+        del out[k]
     if not out[i]["tool_calls"]:
         del out[i]["tool_calls"]
         if not out[i].get("content"):
@@ -137,6 +141,12 @@ class ReplayCheck:
     errors: list[str] = field(default_factory=list)
     changed: dict[str, str] = field(default_factory=dict)  # task id -> the argument the perturbation changed
     unchanged: list[str] = field(default_factory=list)  # tasks whose write has no checked argument to change
+
+
+def replayable(env) -> bool:
+    """Whether the recorded conversations can be said again here: replay with the recorded user turns (an LLM
+    user would answer the recorded agent with other words than the ones it answered)."""
+    return hasattr(env, "agreement") and env.user.kind == "replay"
 
 
 def check_replay(env, harness: Harness, tasks: list[Task], conversations: dict[str, list[dict]],
@@ -237,7 +247,7 @@ def collect_findings(env, harness: Harness, tasks: list[Task], conversations: di
         examples = "; ".join(f"task {t.task_id} ({prompt_excerpt(t.prompt)}): {', '.join(d)}" for t, d in disputed[:3])
         warnings.append(f"{len(disputed)} of {len(replayed)} rewarded conversations contradict their expected actions "
                         f"(each scored by what the two agree on), e.g. {examples}")
-    chosen = [t for t in replayed if t.task_id in conversations]
+    chosen = [t for t in replayed if t.task_id in conversations] if replayable(env) else []
     chosen = chosen if len(chosen) <= sample else random.Random(seed).sample(chosen, sample)
     if chosen:
         report = check_replay(env, harness, chosen, conversations)

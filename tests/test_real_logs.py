@@ -188,3 +188,25 @@ def test_the_check_names_the_tasks_whose_recorded_conversation_fails_and_a_pertu
     half = {task.task_id: messages[:2] + [{"role": "assistant", "content": "Hello."}]}
     check = check_replay(ReplayEnv(), Harness(ReplayEnv(), Limits()), [task], half)
     assert any("pass their own rubric 0 of 1" in e for e in check.errors), check.errors
+
+
+def test_evaluate_says_how_many_episodes_are_done_while_a_model_runs(monkeypatch, capsys):
+    import time
+
+    from flywheel.evaluate import runner
+    from flywheel.replaycheck import Says
+
+    class Slow(Says):
+        def generate(self, conversations, tools, sampling, **kw):
+            time.sleep(0.05)
+            return super().generate(conversations, tools, sampling, **kw)
+
+    monkeypatch.setattr(runner, "PROGRESS_EVERY_S", 0.02)
+    env = ReplayEnv()
+    tasks = [env.task_from_trace(_trace(_conversation([LOOKUP, CANCEL])))]
+    scored = runner.evaluate_policy(Slow("Hello."), Harness(env, Limits(max_turns=6)), tasks * 3, "slow-model",
+                                    chunk=1)
+    assert len(scored.rows) == 3
+    said = [line for line in capsys.readouterr().out.splitlines() if "evaluate: slow-model: " in line]
+    assert said and all(" of 3 episodes done" in line for line in said)
+    assert len({line.split(": ")[2] for line in said}) >= 2, "the count moves as episodes finish"

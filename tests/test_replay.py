@@ -424,7 +424,7 @@ def test_an_openai_teacher_replaying_the_trace_scores_one_and_a_wrong_write_zero
 
 
 @pytest.mark.slow
-def test_sft_rl_and_evaluate_run_on_replay_tasks_with_no_user_code(tmp_path, mlflow_store, prefect_server):
+def test_sft_rl_and_evaluate_run_on_replay_tasks_with_no_user_code(tmp_path, mlflow_store, prefect_server, capsys):
     from conftest import make_project
     from openai_server import OracleServer, TraceReplayer
 
@@ -455,6 +455,9 @@ def test_sft_rl_and_evaluate_run_on_replay_tasks_with_no_user_code(tmp_path, mlf
     gate = json.loads((root / "data/bank/evaluate/gate.json").read_text())
     assert "replay/bank" in {row["slice"] for row in gate["slice_scores"]}
     assert len(catalog.read("rollouts")) > 0
+    said = capsys.readouterr().out
+    assert "collect: kept " in said and "synthesize: " in said and " teacher samples accepted" in said
+    assert "rl: " in said and " optimiser updates in 1 steps; " in said and " groups skipped (equal rewards" in said
 
 
 def test_beside_another_environment_its_verifiable_traces_stay_its_own(tmp_path, mlflow_store):
@@ -493,7 +496,7 @@ def test_beside_another_environment_its_verifiable_traces_stay_its_own(tmp_path,
     assert copy_.counters["replay_served"] == 1
 
 
-def test_without_a_teacher_the_accepted_traces_are_the_targets(tmp_path, mlflow_store):
+def test_without_a_teacher_the_accepted_traces_are_the_targets(tmp_path, mlflow_store, capsys):
     """`teacher.policy: none`: synthesize samples nothing (the teacher URL here answers nothing) and the
     accepted train traces, re-scored by their own replay rubric, are the SFT targets; held-out ones never."""
     from tasks.collect import collect
@@ -511,6 +514,9 @@ def test_without_a_teacher_the_accepted_traces_are_the_targets(tmp_path, mlflow_
     assert len(synthetic) == len(accepted_train) > 0 and (synthetic["teacher"] == "trace").all()
     assert synthetic["accepted"].all() and (synthetic["reward"] == 1.0).all(), "each scores 1 under its own rubric"
     assert result.metrics["samples"] == 0 and result.metrics["traces_accepted"] == len(accepted_train)
+    n = len(accepted_train)
+    assert (f"synthesize: 0 of 0 teacher samples accepted; {n} of {n} accepted traces kept, 0 failed their own "
+            "rubric") in capsys.readouterr().out
 
     config["synthesize"]["include_accepted_traces"] = False
     (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"bank": config}}))
