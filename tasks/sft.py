@@ -10,9 +10,9 @@ from flywheel.data.lineage import dvc_md5, log_dataset
 from flywheel.metrics import final_metrics
 from flywheel.stages import StageResult
 from flywheel.tags import ADAPTER_BASE_TAG
+from flywheel.train.context import check_fit, longest_collected
 from flywheel.train.sft import train_sft
 from flywheel.train.tiny import build_tiny_student, render_conversation
-from flywheel.train.context import check_fit, longest_collected
 from tasks.kernel import stage_context, stage_task
 from tasks.progress import progress
 

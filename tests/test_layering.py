@@ -40,8 +40,8 @@ LAYERS = (
     # the one episode loop
     ("flywheel.agent",),
     # what runs the loop: teacher synthesis, SFT and RL, the held-out evaluation and its gate, an environment's
-    # dry run (`flywheel check --solve`)
-    ("flywheel.synthesis", "flywheel.train", "flywheel.evaluate", "flywheel.dryrun"),
+    # dry run (`flywheel check --solve`) and replay's check of its recorded conversations
+    ("flywheel.synthesis", "flywheel.train", "flywheel.evaluate", "flywheel.dryrun", "flywheel.replaycheck"),
     # what is done with the trained versions: serving, promotion, comparisons, status, reruns
     ("flywheel.serving", "flywheel.promotion", "flywheel.comparison", "flywheel.status", "flywheel.reproduce"),
     # the face: the `flywheel` command

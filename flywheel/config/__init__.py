@@ -24,10 +24,10 @@ from flywheel.config.collect import (
     CollectConfig,
     FieldMapping,
     OutcomeRule,
-    TurnLayout,
     RedactionConfig,
     RedactionKind,
     SourceConfig,
+    TurnLayout,
 )
 from flywheel.config.environment import EnvironmentConfig, ReplayConfig, ReplayJudgeConfig, UserConfig
 from flywheel.config.evaluation import EvaluateConfig, GateConfig, ReferenceConfig
@@ -50,9 +50,9 @@ from flywheel.config.training import (
 
 __all__ = ["OBJECTIVES", "REDACTION_KINDS", "CollectConfig", "ConfigError", "EndpointConfig", "EnvironmentConfig",
            "EvaluateConfig", "FieldMapping", "GateConfig", "LoRAConfig", "OPDConfig", "OPDObjective", "Objective",
-           "OutcomeRule", "TurnLayout", "PipelineConfig", "PipelinesFile", "RLConfig", "RedactionConfig", "RedactionKind",
+           "OutcomeRule", "PipelineConfig", "PipelinesFile", "RLConfig", "RedactionConfig", "RedactionKind",
            "ReferenceConfig", "ReplayConfig", "ReplayJudgeConfig", "RewardOPDObjective", "RewardObjective",
-           "SFTConfig", "ScheduleConfig", "Section", "SourceConfig", "StudentConfig", "SynthesizeConfig",
+           "SFTConfig", "ScheduleConfig", "Section", "SourceConfig", "StudentConfig", "SynthesizeConfig", "TurnLayout",
            "TeacherConfig", "TinyModelConfig", "TriggerConfig", "UserConfig", "load_each", "load_pipeline",
            "load_pipelines", "read_pipelines_file", "validate_pipeline"]
 

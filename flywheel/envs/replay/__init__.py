@@ -159,7 +159,9 @@ class ReplayEnv(Environment):
         # the label's own writes (those of the whole conversation) are the target; a rejected trace's task asks
         # that its own writes not be repeated
         expected = _json(trace.get("expected_actions") or "null") if outcome == "accepted" and whole else None
-        expected = None if expected is None else [[a["name"], a.get("arguments", a.get("kwargs", {}))] for a in expected]
+        # ({name, kwargs} too: collect stores {name, arguments}, a trace given here may be as its log wrote it)
+        expected = None if expected is None else [[a["name"], a.get("arguments", a.get("kwargs", {}))]
+                                                  for a in expected]
         tools = _json(trace.get("tools") or "[]") or infer_tools(record.calls)
         source = trace.get("source") or "traces"
         data = {"source": source, "outcome": outcome, "tools": tools, "target": record.target,
