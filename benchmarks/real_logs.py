@@ -44,8 +44,8 @@ def measure(root: Path, name: str) -> dict:
     """Collect `name` in the project at `root`, then the replay check over every collected task."""
     from flywheel.agent import load_harness
     from flywheel.config import load_pipeline
-    from flywheel.data.tasksets import recorded_conversations
     from flywheel.dryrun import dry_run, render
+    from flywheel.replaycheck import recorded_conversations
     from tasks.collect import collect
 
     result = collect.fn(pipeline=name, root=str(root))

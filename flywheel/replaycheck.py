@@ -14,14 +14,47 @@ import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from flywheel.agent import Episode, Harness
-from flywheel.contract import Task, conversation_hash, prompt_excerpt
+from flywheel.contract import Task, opening, prompt_excerpt, prompt_hash
+from flywheel.data.catalog import Catalog
 from flywheel.policies.base import Completion
 
 RECORDED_TARGET = 0.95  # the share of recorded accepted conversations that must pass their own rubric
 ASK_ID = "Could you give me your user id, please?"
 SHOWN = 5
+
+
+def conversation_key(messages: list[dict]) -> str:
+    """The id replay gives a conversation's task: the prompt hash of its opening with the run of user messages
+    that may follow the first (record.read_record's prompt)."""
+    start = opening(messages)
+    if start is None:
+        raise ValueError("the conversation has no user message, so no prompt to hash")
+    end = len(start)
+    while end < len(messages) and messages[end].get("role") == "user":
+        end += 1
+    return prompt_hash(messages[:end])
+
+
+def recorded_conversations(root: Path, pipeline: str) -> dict[str, list[dict]] | None:
+    """The accepted conversations of a pipeline's traces table, by the id of the task replay makes of each;
+    None before collect wrote the table."""
+    import pyarrow.parquet as pq
+
+    path = Catalog(Path(root), pipeline).table_path("traces")
+    if not path.exists():
+        return None
+    out: dict[str, list[dict]] = {}
+    for row in pq.read_table(path, columns=["messages", "outcome"]).to_pylist():
+        if row["outcome"] == "accepted":
+            messages = json.loads(row["messages"])
+            try:
+                out.setdefault(conversation_key(messages), messages)
+            except ValueError:
+                continue
+    return out
 
 
 class Recorded:
@@ -34,7 +67,7 @@ class Recorded:
     def generate(self, conversations, tools, sampling, **_) -> list[Completion]:
         out = []
         for messages in conversations:
-            turns = self.turns.get(conversation_hash(messages), [])
+            turns = self.turns.get(conversation_key(messages), [])
             done = sum(m["role"] == "assistant" for m in messages)
             out.append(Completion(message=dict(turns[done]) if done < len(turns) else
                                   {"role": "assistant", "content": "Goodbye."}))

@@ -17,10 +17,10 @@ from flywheel.data.redaction import Redactor
 from flywheel.data.schemas import Quarantine
 from flywheel.data.shapes import SourceError
 from flywheel.data.sources import readers, remote_fingerprint, unmatched_globs
-from flywheel.data.tasksets import made_tasks, recorded_conversations, row_task, task_table
+from flywheel.data.tasksets import made_tasks, row_task, task_table
 from flywheel.envs import environment_sources
 from flywheel.errors import UserFacingError
-from flywheel.replaycheck import collect_findings
+from flywheel.replaycheck import collect_findings, recorded_conversations
 from flywheel.stages import StageResult
 from flywheel.tags import COLLECT_MODE_TAG, out_tag
 from tasks.caching import by_content

@@ -18,10 +18,9 @@ import yaml
 
 from flywheel.agent import Harness, Limits, load_harness
 from flywheel.config import ReplayConfig, load_pipeline
-from flywheel.data.tasksets import recorded_conversations
 from flywheel.dryrun import dry_run
 from flywheel.envs.replay import ReplayEnv
-from flywheel.replaycheck import check_replay, drop_last_write
+from flywheel.replaycheck import check_replay, drop_last_write, recorded_conversations
 
 HERE = Path(__file__).parent
 CONFIG = HERE.parent / "examples" / "real_logs" / "tooltalk.yaml"

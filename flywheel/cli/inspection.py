@@ -88,8 +88,8 @@ def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipe
 def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bool:
     """`check --solve` over each pipeline's environment: its report printed; False when one has errors."""
     from flywheel.agent import load_harness
-    from flywheel.data.tasksets import recorded_conversations
     from flywheel.dryrun import NoTasksError, dry_run, render
+    from flywheel.replaycheck import recorded_conversations
     from flywheel.settings import configure
 
     configure(root)

@@ -210,25 +210,3 @@ def _generate(env: Environment, cfg: EnvironmentConfig, heldout_fraction: float,
 
 def _with_split(task: Task, split: str) -> Task:
     return Task(task.task_id, task.env, task.prompt, task.answer, task.slice, split, task.group)
-
-
-def recorded_conversations(root: Path, pipeline: str) -> dict[str, list[dict]] | None:
-    """The accepted conversations of a pipeline's traces table, by the task id replay gives each (the prompt hash
-    of its opening); None before collect wrote the table."""
-    from flywheel.contract import conversation_hash
-    from flywheel.data.catalog import Catalog
-
-    path = Catalog(Path(root), pipeline).table_path("traces")
-    if not path.exists():
-        return None
-    import pyarrow.parquet as pq
-
-    out: dict[str, list[dict]] = {}
-    for row in pq.read_table(path, columns=["messages", "outcome"]).to_pylist():
-        if row["outcome"] == "accepted":
-            messages = json.loads(row["messages"])
-            try:
-                out.setdefault(conversation_hash(messages), messages)
-            except ValueError:
-                continue
-    return out
