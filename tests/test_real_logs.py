@@ -83,6 +83,7 @@ def test_collected_prompts_over_the_students_context_fail_the_check_and_the_run_
     _project(tmp_path)
     config = yaml.safe_load((tmp_path / "pipelines.yaml").read_text())
     config["pipelines"]["tooltalk"]["student"] = {"model": "tiny", "tiny": {"max_position_embeddings": 128}}
+    config["pipelines"]["tooltalk"]["sft"] = config["pipelines"]["tooltalk"]["rl"] = {"max_length": 128}
     (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump(config))
     before = subprocess.run([*FLYWHEEL, "check", "tooltalk"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=300)
