@@ -39,9 +39,11 @@ LAYERS = (
     ("flywheel.envs",),
     # the one episode loop
     ("flywheel.agent",),
+    # replay's check: the recorded conversations said again through the loop, and changed
+    ("flywheel.replaycheck",),
     # what runs the loop: teacher synthesis, SFT and RL, the held-out evaluation and its gate, an environment's
-    # dry run (`flywheel check --solve`) and replay's check of its recorded conversations
-    ("flywheel.synthesis", "flywheel.train", "flywheel.evaluate", "flywheel.dryrun", "flywheel.replaycheck"),
+    # dry run (`flywheel check --solve`)
+    ("flywheel.synthesis", "flywheel.train", "flywheel.evaluate", "flywheel.dryrun"),
     # what is done with the trained versions: serving, promotion, comparisons, status, reruns
     ("flywheel.serving", "flywheel.promotion", "flywheel.comparison", "flywheel.status", "flywheel.reproduce"),
     # the face: the `flywheel` command
