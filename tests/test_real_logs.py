@@ -210,3 +210,34 @@ def test_evaluate_says_how_many_episodes_are_done_while_a_model_runs(monkeypatch
     said = [line for line in capsys.readouterr().out.splitlines() if "evaluate: slow-model: " in line]
     assert said and all(" of 3 episodes done" in line for line in said)
     assert len({line.split(": ")[2] for line in said}) >= 2, "the count moves as episodes finish"
+
+
+def test_a_log_whose_calls_have_no_function_wrapper_reads_through_turns_alone():
+    """tau2-bench's simulation layout: calls {id, name, arguments}, each result a `tool` message naming its call
+    at `id`, expected actions {name, arguments}; a message role the log adds (`system` notes) left out."""
+    from flywheel.config import CollectConfig, SourceConfig
+    from flywheel.data.redaction import Redactor
+    from flywheel.data.trace_rows import to_trace
+
+    cancel = {"order_id": "#W100", "reason": "no longer needed"}
+    record = {"task_id": "7", "trial": 0, "reward_info": {"reward": 1.0}, "messages": [
+        {"role": "assistant", "content": "Hi! How can I help you today?"},
+        {"role": "user", "content": "Cancel my order #W100, I no longer need it."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "t1", "name": "cancel_pending_order", "arguments": cancel, "requestor": "assistant"}]},
+        {"role": "tool", "id": "t1", "content": '{"status": "cancelled"}', "requestor": "assistant"},
+        {"role": "assistant", "content": "Order #W100 is cancelled."}],
+        "task": {"evaluation_criteria": {"actions": [{"action_id": "a", "name": "cancel_pending_order",
+                                                      "arguments": cancel}]}}}
+    source = SourceConfig(path=["logs/*.json"], fields={"messages": "messages", "score": "reward_info.reward",
+                                                        "id": ["task_id", "trial"],
+                                                        "expected_actions": "task.evaluation_criteria.actions"},
+                          turns={"result_id": "id"}, outcome={"score_threshold": 1.0})
+    cfg = CollectConfig(sources=[source])
+    row = to_trace(record, source, "logs/x.json:1", cfg, Redactor(cfg.redact))
+    assert row["outcome"] == "accepted" and json.loads(row["expected_actions"])[0]["name"] == "cancel_pending_order"
+    env = ReplayEnv()
+    task = env.task_from_trace({**row, "messages": json.loads(row["messages"])})
+    messages = json.loads(row["messages"])
+    assert env.score(task, messages).passed and not env.agreement(task).disputes
+    assert not env.score(task, drop_last_write(env, task, messages)).passed
