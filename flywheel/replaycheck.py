@@ -256,10 +256,17 @@ def render(report: ReplayCheck) -> list[str]:
 
 
 def summary(report: ReplayCheck) -> dict:
-    """The figures as one JSON-able dict: each arm's tasks, mean reward and pass rate."""
-    return {arm.name: {"tasks": len(arm.episodes), "reward_mean": round(arm.mean, 4),
-                       "pass_rate": round(arm.passed / len(arm.episodes), 4) if arm.episodes else None}
-            for arm in report.arms.values()}
+    """The figures as one JSON-able dict: each arm's tasks, mean reward and pass rate; for a perturbation, on how
+    many tasks it scored at or above the recorded conversation it came from (the target: none)."""
+    recorded = report.arms["recorded"].episodes
+    out = {}
+    for arm in report.arms.values():
+        out[arm.name] = {"tasks": len(arm.episodes), "reward_mean": round(arm.mean, 4),
+                         "pass_rate": round(arm.passed / len(arm.episodes), 4) if arm.episodes else None}
+        if arm.name in ("drop-last-write", "wrong-argument"):
+            out[arm.name]["at_or_above_recorded"] = sum(
+                e.reward >= recorded[t].reward for t, e in arm.episodes.items() if t in recorded)
+    return out
 
 
 COLLECT_SAMPLE = 20  # recorded conversations the collect stage replays (seeded): a warning, not a failure

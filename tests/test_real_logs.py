@@ -172,6 +172,9 @@ def test_free_text_arguments_follow_their_rule():
     loose = ReplayEnv()
     task = loose.task_from_trace(_trace(messages))
     assert loose.score(task, reworded).breakdown["writes"] == 1.0, "free text in its own words: not compared"
+    cancelled = loose.task_from_trace(_trace(_conversation([LOOKUP, CANCEL])))
+    mistaken = _conversation([LOOKUP, ("cancel_order", {"order_id": "W100", "reason": "ordered by mistake"}, "{}")])
+    assert loose.score(cancelled, mistaken).breakdown["writes"] == 0.0, "a short option is no free text: compared"
     strict = ReplayEnv(ReplayConfig(arguments={"send_email.body": "normalised"}))
     task = strict.task_from_trace(_trace(messages))
     assert strict.score(task, reworded).breakdown["writes"] == 0.0

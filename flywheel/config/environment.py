@@ -32,7 +32,7 @@ class ReplayConfig(Section):
     reads: list[str] = ["think", "calculate", "calculator"]
     read_pattern: str = "get|list|search|find|lookup|look_up|read|query|fetch|show|view"
     # How a write's argument is compared, by `tool.argument` or `argument`: exact, normalised (case, spacing,
-    # number formats) or ignore. Unnamed: normalised; free text (three words or more) takes `free_text`.
+    # number formats) or ignore. Unnamed: normalised; free text (five words or more) takes `free_text`.
     arguments: dict[str, Literal["exact", "normalised", "ignore"]] = {}
     free_text: Literal["exact", "normalised", "ignore"] = "ignore"
     # Serving a model's call from the record: free text (two words or more) matches a recorded call's when the

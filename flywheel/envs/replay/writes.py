@@ -8,7 +8,7 @@ the record or in the model's conversation.
 
 Arguments are compared by a rule per tool argument (`replay.arguments`, keys `tool.argument` or `argument`):
 `exact` (the JSON value as written), `normalised` (case, spacing, number formats: matching.normalise) or
-`ignore`. Unnamed arguments take `normalised`, free text (three words or more) `replay.free_text`.
+`ignore`. Unnamed arguments take `normalised`, free text (five words or more) `replay.free_text`.
 
 A record with expected actions whose rewarded conversation contradicts them (an expected write never made, a
 write made that no expected action names, or the two with other arguments) is scored by what the two agree
@@ -34,8 +34,9 @@ def errored(result: str | None) -> bool:
 
 
 def free_text(value) -> bool:
-    """A string of three words or more: text an agent writes in its own words, not an id, date or amount."""
-    return isinstance(value, str) and len(_WORD.findall(value)) >= 3
+    """A string of five words or more: text an agent writes in its own words, not an id, a date, an amount or a
+    short option ("no longer needed")."""
+    return isinstance(value, str) and len(_WORD.findall(value)) >= 5
 
 
 @dataclass(frozen=True)
@@ -63,16 +64,16 @@ class WriteRules:
             return name in named
         return True
 
-    def rule(self, tool: str, argument: str, value) -> str:
-        """How this argument of this tool is compared."""
+    def rule(self, tool: str, argument: str, *values) -> str:
+        """How this argument of this tool is compared (free text when any of the values compared is)."""
         given = self.arguments.get(f"{tool}.{argument}") or self.arguments.get(argument)
         if given:
             return given
-        return self.free_text if free_text(value) else "normalised"
+        return self.free_text if any(free_text(v) for v in values) else "normalised"
 
     def same(self, tool: str, argument: str, want, got) -> bool:
         """Whether a value matches the wanted one under its rule."""
-        rule = self.rule(tool, argument, want)
+        rule = self.rule(tool, argument, want, got)
         if rule == "ignore":
             return True
         if rule == "exact":
