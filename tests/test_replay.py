@@ -16,7 +16,7 @@ from flywheel.contract import ToolError, conversation_hash, prompt_hash
 from flywheel.data.catalog import Catalog
 from flywheel.envs import load_environment
 from flywheel.envs.replay import ReplayEnv
-from flywheel.policies.base import Completion
+from flywheel.replaycheck import Recorded, Says, conversation_key
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
@@ -80,33 +80,7 @@ def collected(tmp_path, mlflow_store):
 
 def recorded_conversations(root: Path) -> dict[str, list[dict]]:
     """Each collected conversation by its task's id (the prompt hash of its opening)."""
-    return {conversation_hash(json.loads(m)): json.loads(m) for m in Catalog(root, "bank").read("traces")["messages"]}
-
-
-class Recorded:
-    """A policy that says, turn by turn, what the recorded agent said in the conversation the prompt opens."""
-
-    def __init__(self, conversations: dict[str, list[dict]]):
-        self.turns = {key: [m for m in messages if m["role"] == "assistant"] for key, messages in conversations.items()}
-
-    def generate(self, conversations, tools, sampling, **_):
-        out = []
-        for messages in conversations:
-            turns = self.turns[conversation_hash(messages)]
-            done = sum(m["role"] == "assistant" for m in messages)
-            out.append(Completion(message=dict(turns[done]) if done < len(turns) else
-                                  {"role": "assistant", "content": "Goodbye."}))
-        return out
-
-
-class Says:
-    """A policy that answers every turn with one text and never calls a tool."""
-
-    def __init__(self, text: str):
-        self.text = text
-
-    def generate(self, conversations, tools, sampling, **_):
-        return [Completion(message={"role": "assistant", "content": self.text}) for _ in conversations]
+    return {conversation_key(json.loads(m)): json.loads(m) for m in Catalog(root, "bank").read("traces")["messages"]}
 
 
 def test_the_agent_is_multi_turn_with_attempts_at_each_scenario():
