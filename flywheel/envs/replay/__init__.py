@@ -8,7 +8,9 @@ ends it at the first answer. The tools are the trace's schemas (or ones inferred
 model calls a tool, the recorded result of the matching recorded call answers (matching.py: the same tool, the
 same arguments once normalised, free text by word overlap); a call that was never recorded gets "not available
 in replay: ..." and is counted. The rubric (rubric.py) is the accepted outcome over the whole conversation:
-the same writes (or the record's expected actions), the answers' facts, optionally a judge.
+the same writes (writes.py: tools known by what they do, errored calls changing nothing, arguments compared by
+their rule; with expected actions, what the label and the recording agree on), the answers' facts, optionally a
+judge.
 
 pipelines.yaml: `environment: {name: replay}` alone, or `replay: {...}` beside another environment, whose
 verifiable traces stay its own. Replay cannot check what the record does not show: a write with other
