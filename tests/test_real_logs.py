@@ -72,6 +72,10 @@ def test_toolTalk_through_the_config_alone_passes_replay_and_its_perturbations_d
                            text=True, timeout=300)
     assert blind.returncode == 1, blind.stdout + blind.stderr
     assert "drop-last-write" in blind.stdout and "score as high as the recorded one" in blind.stdout
+    capsys.readouterr()
+    collect.fn(pipeline="tooltalk", root=str(tmp_path))  # collect replays a sample and warns, it does not fail
+    said = capsys.readouterr().out
+    assert "collect: warning: replay check on 7 recorded conversations" in said and "drop-last-write: " in said
 
 
 def test_collected_prompts_over_the_students_context_fail_the_check_and_the_run_before_training(tmp_path,
