@@ -248,3 +248,25 @@ def test_a_log_whose_calls_have_no_function_wrapper_reads_through_turns_alone():
     messages = json.loads(row["messages"])
     assert env.score(task, messages).passed and not env.agreement(task).disputes
     assert not env.score(task, drop_last_write(env, task, messages)).passed
+
+
+def test_free_text_can_be_judged_by_the_replay_judge(openai_server):
+    def judge(messages):
+        prompt = messages[-1]["content"]
+        if prompt.startswith("You compare two values of one argument"):
+            said = prompt.split("The value to judge:", 1)[1]
+            return "Same news.\nSCORE: 1" if "cancelled" in said else "Other news.\nSCORE: 0"
+        return "The conversation is fine.\nSCORE: 1"
+
+    openai_server.judge = judge
+    with pytest.raises(ValueError, match="the `judge` rule needs replay.judge"):
+        ReplayConfig(free_text="judge")
+    env = ReplayEnv(ReplayConfig(free_text="judge", judge={"model": "judge", "base_url": openai_server.url,
+                                                           "timeout_s": 10.0, "cache": None}))
+    messages = _conversation([("send_email", {"to": "ana_1", "body": "Your order W100 was cancelled today."}, "{}")])
+    task = env.task_from_trace(_trace(messages))
+    reworded = _conversation([("send_email", {"to": "ana_1", "body": "We cancelled order W100 for you today."}, "{}")])
+    shipped = _conversation([("send_email", {"to": "ana_1", "body": "We shipped order W100 for you today, ok."}, "{}")])
+    assert env.score(task, reworded).breakdown["writes"] == 1.0
+    assert env.score(task, shipped).breakdown["writes"] == 0.0
+    assert env.counters["judge_calls"] >= 2

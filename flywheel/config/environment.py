@@ -32,9 +32,10 @@ class ReplayConfig(Section):
     reads: list[str] = ["think", "calculate", "calculator"]
     read_pattern: str = "get|list|search|find|lookup|look_up|read|query|fetch|show|view"
     # How a write's argument is compared, by `tool.argument` or `argument`: exact, normalised (case, spacing,
-    # number formats) or ignore. Unnamed: normalised; free text (five words or more) takes `free_text`.
-    arguments: dict[str, Literal["exact", "normalised", "ignore"]] = {}
-    free_text: Literal["exact", "normalised", "ignore"] = "ignore"
+    # number formats), judge (the model of `judge` below says whether the two say the same) or ignore.
+    # Unnamed: normalised; free text (five words or more) takes `free_text`.
+    arguments: dict[str, Literal["exact", "normalised", "judge", "ignore"]] = {}
+    free_text: Literal["exact", "normalised", "judge", "ignore"] = "ignore"
     # Serving a model's call from the record: free text (two words or more) matches a recorded call's when the
     # word overlap (Jaccard) reaches this; 1.0: normalised text must be equal. Ids always match exactly.
     fuzzy: float = Field(0.8, gt=0, le=1)
@@ -59,6 +60,10 @@ class ReplayConfig(Section):
             re.compile(self.read_pattern)
         except re.error as err:
             raise ValueError(f"read_pattern {self.read_pattern!r} is not a valid regex: {err}") from None
+        judged = sorted(k for k, rule in self.arguments.items() if rule == "judge") + \
+            (["free_text"] if self.free_text == "judge" else [])
+        if judged and self.judge is None:
+            raise ValueError(f"{judged}: the `judge` rule needs replay.judge (the model that compares the values)")
         both = sorted(set(self.writes) & set(self.reads))
         if both:
             raise ValueError(f"{both} named in both writes and reads: a tool is one or the other")

@@ -36,7 +36,15 @@ from flywheel.envs.replay.rubric import (
     facts_stated,
     scored_part,
 )
-from flywheel.envs.replay.writes import Agreement, WriteRules, agreement, model_writes, recorded_writes, writes_match
+from flywheel.envs.replay.writes import (
+    ARGUMENT_TEMPLATE,
+    Agreement,
+    WriteRules,
+    agreement,
+    model_writes,
+    recorded_writes,
+    writes_match,
+)
 
 NAME = "replay"
 
@@ -71,13 +79,15 @@ class ReplayEnv(Environment):
         self.base = base
         self.name = NAME if base is None else f"{base.name}+{NAME}"
         self.tasks_table = tasks_table  # the pipeline's tasks: what tools() offers (read on first use)
-        self.rules = WriteRules.from_config(self.cfg)
         self._named: set[str] = set()  # the tools the expected actions of the tasks built here name
-        self._judge = None
+        self._judge = self._arguments_judge = None
         if self.cfg.judge is not None:
             from flywheel.envs.judge import JudgeReward
 
             self._judge = JudgeReward.from_config(JUDGE_TEMPLATE, self.cfg.judge, root)
+            self._arguments_judge = JudgeReward.from_config(ARGUMENT_TEMPLATE, self.cfg.judge, root)
+            self._arguments_judge.__name__ = "argument_judge"
+        self.rules = WriteRules.from_config(self.cfg, self._arguments_judge)
         self._recorded: list[Task] | None = None
         self._made: dict[str, dict] = {}  # tool schemas of the tasks built here (collect), by name
 
@@ -88,7 +98,7 @@ class ReplayEnv(Environment):
 
     def counter_parts(self) -> list:
         """The base environment, the judge and the LLM user: their counters join the calls served here."""
-        return [part for part in (self.base, self._judge, self._llm_user) if part is not None]
+        return [part for part in (self.base, self._judge, self._arguments_judge, self._llm_user) if part is not None]
 
     def llm_user(self):
         """The LLM that plays the user (environment.user: openai), built on first use in this process."""

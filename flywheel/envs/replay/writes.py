@@ -7,8 +7,9 @@ call a look-up is a write (the fallback). A call whose result was an error chang
 the record or in the model's conversation.
 
 Arguments are compared by a rule per tool argument (`replay.arguments`, keys `tool.argument` or `argument`):
-`exact` (the JSON value as written), `normalised` (case, spacing, number formats: matching.normalise) or
-`ignore`. Unnamed arguments take `normalised`, free text (five words or more) `replay.free_text`.
+`exact` (the JSON value as written), `normalised` (case, spacing, number formats: matching.normalise), `judge`
+(the model of `replay.judge` says whether the two say the same) or `ignore`. Unnamed arguments take
+`normalised`, free text (five words or more) `replay.free_text`.
 
 A record with expected actions whose rewarded conversation contradicts them (an expected write never made, a
 write made that no expected action names, or the two with other arguments) is scored by what the two agree
@@ -22,7 +23,17 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from flywheel.contract import Task
 from flywheel.envs.replay.matching import normalise
+
+ARGUMENT_TEMPLATE = """You compare two values of one argument of a tool call an assistant made.
+
+The tool and argument: {prompt}
+The accepted value: {answer}
+The value to judge: {final}
+
+Do the two say the same thing for what the tool does with it (the wording may differ)? Reply with a short
+reason, then a last line `SCORE: x` where x is 1 (the same) or 0 (different)."""
 
 ERROR_RESULT = re.compile(r"\s*[\"'{\[]*\s*(error|exception|failed)\b", re.IGNORECASE)
 _WORD = re.compile(r"[^\W\d_]{2,}")
@@ -48,11 +59,12 @@ class WriteRules:
     read_pattern: re.Pattern = re.compile("(?!)")
     arguments: dict[str, str] = field(default_factory=dict)
     free_text: str = "ignore"
+    judge: object = None  # a JudgeReward with ARGUMENT_TEMPLATE, for the `judge` rule
 
     @classmethod
-    def from_config(cls, cfg) -> WriteRules:
+    def from_config(cls, cfg, judge=None) -> WriteRules:
         return cls(frozenset(cfg.writes), frozenset(cfg.reads), re.compile(f"(?:{cfg.read_pattern})", re.IGNORECASE),
-                   dict(cfg.arguments), cfg.free_text)
+                   dict(cfg.arguments), cfg.free_text, judge)
 
     def is_write(self, name: str, named: frozenset[str] | set[str]) -> bool:
         """Whether calls of `name` change state; `named`: the tools the logs' expected actions name."""
@@ -78,6 +90,10 @@ class WriteRules:
             return True
         if rule == "exact":
             return json.dumps(want, sort_keys=True) == json.dumps(got, sort_keys=True)
+        if rule == "judge" and normalise(want) != normalise(got):
+            asked = Task("argument", "replay", [{"role": "user", "content": f"{tool}.{argument}"}],
+                         json.dumps(want, ensure_ascii=False), "")
+            return self.judge(asked, [{"role": "assistant", "content": str(got)}]) >= 0.5
         return normalise(want) == normalise(got)
 
     def checked(self, tool: str, arguments: dict) -> list[str]:
