@@ -23,6 +23,7 @@ from flywheel.policies import Policy, get_policy
 from flywheel.policies.base import Sampling
 from flywheel.stages import StageResult
 from flywheel.synthesis import sample_row, select_targets, trace_rows
+from flywheel.train.context import check_fit, longest_collected
 from tasks.kernel import stage_context, stage_task
 from tasks.progress import Meter
 
@@ -37,6 +38,8 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
     # params: the teacher's key variable's NAME only, never the key
     with stage_context("synthesize", pipeline, root, parent_run_id, params=("teacher", "synthesize")) as stage:
         cfg, catalog, harness, env = stage.cfg, stage.catalog, stage.harness, stage.env
+        if longest_collected(env):  # replay: fail on prompts over the student's context before a teacher runs
+            check_fit(pipeline, cfg, env, stage.root)
         task_table = catalog.read("tasks")
         train = [row_task(r) for r in task_table.to_dict("records") if r["split"] == "train"]
         tasks = without_slices(train, cfg.synthesize.exclude_slices)

@@ -83,6 +83,7 @@ def test_collected_prompts_over_the_students_context_fail_the_check_and_the_run_
     from flywheel.train.context import ContextError
     from tasks.collect import collect
     from tasks.sft import sft
+    from tasks.synthesize import synthesize
 
     _project(tmp_path)
     config = yaml.safe_load((tmp_path / "pipelines.yaml").read_text())
@@ -98,8 +99,9 @@ def test_collected_prompts_over_the_students_context_fail_the_check_and_the_run_
     assert after.returncode != 0
     said = after.stdout + after.stderr
     assert "longest first-turn prompt is" in said and "pipelines.tooltalk.student.tiny.max_position_embeddings" in said
-    with pytest.raises(ContextError, match="over the student's context of 128 tokens"):
-        sft.fn(pipeline="tooltalk", root=str(tmp_path))
+    for stage in (synthesize, sft):  # before a teacher runs, and before training
+        with pytest.raises(ContextError, match="over the student's context of 128 tokens"):
+            stage.fn(pipeline="tooltalk", root=str(tmp_path))
 
 
 # --- generated cases
