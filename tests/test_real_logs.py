@@ -1,7 +1,8 @@
 """Replay on logs written by others: the conversations they rewarded pass their own rubric, and less does not.
 
 A slice of ToolTalk (tests/data/real_logs/tooltalk, MIT: its LICENSE beside it) read through the config of
-examples/real_logs/tooltalk.yaml alone; then generated cases of what real logs do that broke replay before:
+examples/real_logs/tooltalk.yaml alone, and one of Schema-Guided Dialogue (tests/data/real_logs/sgd, CC BY-SA 4.0)
+through examples/real_logs/sgd.yaml alone; then generated cases of what real logs do that broke replay before:
 tools that change nothing but are not named like reads, a retry after a tool error, a hand-off the label does not
 list, free text in the agent's own words, a label the rewarded conversation contradicts.
 """
@@ -36,6 +37,26 @@ def _project(root: Path, replay: dict | None = None) -> None:
     shutil.copytree(SLICE, root / "logs" / "tooltalk")
 
 
+def _meets_the_targets(root: Path, name: str) -> tuple[int, int]:
+    """The replay check over the collected conversations of `name`: every recorded one passes, null and id-only
+    pass none (mean <= 0.05), and each perturbation scores below the conversation it came from; (the recorded
+    conversations, the perturbed ones: those with a write)."""
+    cfg = load_pipeline(name, root / "pipelines.yaml")
+    report = dry_run(name, cfg, load_harness(cfg.environment, root, pipeline=name),
+                     conversations=recorded_conversations(root, name))
+    check = report.replay
+    assert check is not None and not report.errors, report.errors
+    recorded = check.arms["recorded"]
+    assert recorded.passed == len(recorded.episodes)
+    for arm in ("null", "id-only"):
+        assert check.arms[arm].mean <= 0.05 and check.arms[arm].passed == 0, arm
+    perturbed = {len(check.arms[arm].episodes) for arm in ("drop-last-write", "wrong-argument")}
+    for arm in ("drop-last-write", "wrong-argument"):
+        assert all(e.reward < recorded.episodes[t].reward for t, e in check.arms[arm].episodes.items()), arm
+    assert len(perturbed) == 1, "both perturbations change the same conversations: those with a write"
+    return len(recorded.episodes), perturbed.pop()
+
+
 def test_toolTalk_through_the_config_alone_passes_replay_and_its_perturbations_do_not(tmp_path, mlflow_store, capsys):
     from tasks.collect import collect
 
@@ -46,19 +67,8 @@ def test_toolTalk_through_the_config_alone_passes_replay_and_its_perturbations_d
     assert result.metrics["replay_contradicted"] == 0
     assert result.metrics["records"] == 8 and result.metrics["quarantined"] == 0
     assert result.metrics["outcome_accepted"] == 8, "a reference conversation has no score: `missing: accepted`"
-    cfg = load_pipeline("tooltalk", tmp_path / "pipelines.yaml")
-    report = dry_run("tooltalk", cfg, load_harness(cfg.environment, tmp_path, pipeline="tooltalk"),
-                     conversations=recorded_conversations(tmp_path, "tooltalk"))
-    check = report.replay
-    assert check is not None and not report.errors, report.errors
-    recorded = check.arms["recorded"]
-    assert len(recorded.episodes) >= 7 and recorded.passed == len(recorded.episodes)
-    for name in ("null", "id-only"):
-        assert check.arms[name].mean <= 0.05 and check.arms[name].passed == 0, name
-    for name in ("drop-last-write", "wrong-argument"):
-        arm = check.arms[name]
-        assert len(arm.episodes) >= 5, name
-        assert all(e.reward < recorded.episodes[t].reward for t, e in arm.episodes.items()), name
+    recorded, perturbed = _meets_the_targets(tmp_path, "tooltalk")
+    assert recorded >= 7 and perturbed >= 5, (recorded, perturbed)
 
     # the same through the command; a rubric blind to writes fails it (exit 1), naming the perturbation
     ok = subprocess.run([*FLYWHEEL, "check", "tooltalk", "--solve"], cwd=tmp_path, capture_output=True,
@@ -272,3 +282,48 @@ def test_free_text_can_be_judged_by_the_replay_judge(openai_server):
     assert env.score(task, reworded).breakdown["writes"] == 1.0
     assert env.score(task, shipped).breakdown["writes"] == 0.0
     assert env.counters["judge_calls"] >= 2
+
+
+SGD_CONFIG = HERE.parent / "examples" / "real_logs" / "sgd.yaml"
+SGD_SLICE = HERE / "data" / "real_logs" / "sgd"
+
+
+def test_schema_guided_dialogues_through_the_config_alone_pass_replay_and_their_perturbations_do_not(
+        tmp_path, mlflow_store, capsys):
+    """A second public set, another layout: a dialogue's `turns` by `speaker` with an `utterance`, each system
+    turn's calls held in its `frames` (only some frames hold a `service_call`: `call_if`), results inline. Its
+    slice: a reservation, one that failed (empty results: still the write the user asked for), two in one
+    dialogue, a search alone (no write), a ride (`GetRide`: a write the read pattern alone would call a look-up),
+    and a two-domain dialogue with two writes."""
+    from tasks.collect import collect
+
+    (tmp_path / "pipelines.yaml").write_text(SGD_CONFIG.read_text())
+    shutil.copytree(SGD_SLICE, tmp_path / "logs" / "sgd")
+    result = collect.fn(pipeline="sgd", root=str(tmp_path))
+    said = capsys.readouterr().out
+    assert "collect: kept 6 traces (6 accepted) of 6 records read, 0 quarantined;" in said, said
+    assert result.metrics["replay_contradicted"] == 0
+    assert _meets_the_targets(tmp_path, "sgd") == (6, 5), "6 tasks, every dialogue but the search has a write"
+
+
+def test_calls_held_among_other_entries_of_a_turn_are_read_where_call_if_says():
+    from flywheel.config import TurnLayout
+    from flywheel.data.turns import chat_messages
+
+    dialogue = json.loads((SGD_SLICE / "dialogues.json").read_text())[0]  # 1_00000: one ReserveRestaurant
+    layout = TurnLayout(role="speaker", content="utterance", roles={"USER": "user", "SYSTEM": "assistant"},
+                        calls="frames", call_if="service_call", call_name="service_call.method",
+                        call_arguments="service_call.parameters", call_id=None, call_result="service_results")
+    messages = chat_messages(dialogue["turns"], layout)
+    calls = [c["function"] for m in messages for c in m.get("tool_calls") or []]
+    assert [c["name"] for c in calls] == ["ReserveRestaurant"]
+    assert json.loads(calls[0]["arguments"])["restaurant_name"] == "Sino"
+    at = next(i for i, m in enumerate(messages) if m.get("tool_calls"))
+    assert messages[at + 1]["role"] == "tool" and "408-247-8880" in messages[at + 1]["content"]
+    assert messages[at + 2]["content"].startswith("Your reservation has been made")
+    # a system turn whose frames hold no call is one plain message, as many as the dialogue has turns
+    assert sum(m["role"] in ("user", "assistant") and not m.get("tool_calls") for m in messages) == \
+        len(dialogue["turns"])
+    # without call_if every frame is a call: the frames with no service call become calls with no name
+    unnamed = chat_messages(dialogue["turns"], layout.model_copy(update={"call_if": None}))
+    assert any(c["function"]["name"] is None for m in unnamed for c in m.get("tool_calls") or [])

@@ -47,6 +47,9 @@ class TurnLayout(Section):
     roles: dict[str, str] = {}  # the log's role names -> system, user, assistant, tool ({AI: assistant})
     skip: list[str] = []  # roles (after renaming) whose messages are left out
     calls: str | None = "tool_calls"  # an assistant message's list of calls
+    # Only the entries of `calls` holding this path are calls (a turn's list of frames, some with a call in them);
+    # unset: every entry is a call.
+    call_if: str | None = None
     call_name: str = "name"
     call_arguments: str = "arguments"  # an object, or its JSON text
     call_id: str | None = "id"  # null: ids are made up (call_<message>_<call>)

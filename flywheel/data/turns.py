@@ -2,10 +2,11 @@
 
 Benchmarks and agent frameworks write a conversation their own way: other key names (`text` for `content`),
 other role names (`AI`), calls without the `function` wrapper, or each call with its result inline (ToolTalk's
-`apis: [{request, response, exception}]`) instead of a tool message after it. `turns:` names where each part is
-(flywheel.config.TurnLayout); what this gives goes through the same checks as any chat record
-(trace_rows.normalise_messages). A call's result that is not text is written as its JSON; an error, as
-"Error: <the error>" (replay counts a call that errored as one that changed nothing).
+`apis: [{request, response, exception}]`) instead of a tool message after it, or a turn's calls among other
+entries of one list (a dialogue's frames, only some holding a service call: `call_if` names the path they
+hold). `turns:` names where each part is (flywheel.config.TurnLayout); what this gives goes through the same
+checks as any chat record (trace_rows.normalise_messages). A call's result that is not text is written as its
+JSON; an error, as "Error: <the error>" (replay counts a call that errored as one that changed nothing).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def chat_messages(messages, layout: TurnLayout) -> list[dict]:
             continue
         content = _value(message, layout.content)
         calls = _value(message, layout.calls) if layout.calls else None
+        if calls and layout.call_if and isinstance(calls, list):
+            calls = [c for c in calls if not isinstance(c, dict) or _value(c, layout.call_if) is not None]
         if role == "tool":
             call_id = _value(message, layout.result_id)
             out.append({"role": "tool", "tool_call_id": None if call_id is None else str(call_id),
