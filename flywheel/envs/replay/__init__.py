@@ -89,6 +89,10 @@ class ReplayEnv(Environment):
             self._arguments_judge.__name__ = "argument_judge"
         self.rules = WriteRules.from_config(self.cfg, self._arguments_judge)
         self._recorded: list[Task] | None = None
+        # read once from the recorded tasks (each score and episode asks; parsing every task's JSON each time
+        # made the replay check quadratic in the tasks): the names their expected actions give, their tools
+        self._recorded_named: set[str] = set()
+        self._recorded_tools: list[dict] = []
         self._made: dict[str, dict] = {}  # tool schemas of the tasks built here (collect), by name
 
     def _init_runtime(self) -> None:
@@ -120,19 +124,26 @@ class ReplayEnv(Environment):
 
                 table = pq.read_table(self.tasks_table).to_pylist()
                 tasks = [row_task(r) for r in table if r["env"] == NAME]
-            self._recorded = tasks
+            self._take(tasks)
         return self._recorded
 
     def use_tasks(self, tasks: list[Task]) -> None:
         """Take these as the pipeline's tasks (collect, once it built them: the table read before is stale)."""
-        self._recorded = [t for t in tasks if t.env == NAME]
+        self._take([t for t in tasks if t.env == NAME])
+
+    def _take(self, tasks: list[Task]) -> None:
+        self._recorded = tasks
+        data = [t.data for t in tasks]
+        self._recorded_named = {name for d in data for name, _ in d.get("expected") or []}
+        self._recorded_tools = [s for d in data for s in d["tools"]]
 
     def tools(self) -> list[dict]:
         """The base environment's tools, then every replay task's (the first schema of a name wins): the model
         sees one tool list in training and in eval."""
         schemas = list(self.base.tools()) if self.base is not None else []
         names = {s["function"]["name"] for s in schemas}
-        for schema in [s for t in self.recorded_tasks() for s in t.data["tools"]] + list(self._made.values()):
+        self.recorded_tasks()
+        for schema in self._recorded_tools + list(self._made.values()):
             if schema["function"]["name"] not in names:
                 names.add(schema["function"]["name"])
                 schemas.append(schema)
@@ -211,7 +222,8 @@ class ReplayEnv(Environment):
 
     def named(self) -> set[str]:
         """The tools the logs' expected actions name (every collected task's, and those built here)."""
-        return self._named | {name for t in self.recorded_tasks() for name, _ in t.data.get("expected") or []}
+        self.recorded_tasks()
+        return self._named | self._recorded_named
 
     def agreement(self, task: Task, named: set[str] | None = None) -> Agreement:
         """The writes a replay task requires and allows, and where its label and its recording disagree."""
