@@ -46,15 +46,34 @@ def recorded_conversations(root: Path, pipeline: str) -> dict[str, list[dict]] |
     path = Catalog(Path(root), pipeline).table_path("traces")
     if not path.exists():
         return None
-    out: dict[str, list[dict]] = {}
+    found: dict[str, list[list[dict]]] = {}
     for row in pq.read_table(path, columns=["messages", "outcome"]).to_pylist():
         if row["outcome"] == "accepted":
             messages = json.loads(row["messages"])
             try:
-                out.setdefault(conversation_key(messages), messages)
+                found.setdefault(conversation_key(messages), []).append(messages)
             except ValueError:
                 continue
-    return out
+    tasks = Catalog(Path(root), pipeline).table_path("tasks")
+    shared = {key for key, each in found.items() if len(each) > 1}
+    if shared and tasks.exists():  # one opening, several conversations: the one the task was made of
+        for row in pq.read_table(tasks, columns=["task_id", "env", "answer"]).to_pylist():
+            if row["task_id"] in shared and row["env"] == "replay":
+                found[row["task_id"]].sort(key=lambda messages: not _made_of(messages, json.loads(row["answer"])))
+    return {key: each[0] for key, each in found.items()}
+
+
+def _made_of(messages: list[dict], data: dict) -> bool:
+    """Whether a replay task's data (its answer's JSON) was made of this conversation: the same calls and answers
+    (collect makes one task per opening, of the first conversation that has something to check)."""
+    from flywheel.envs.replay.record import UnusableRecord, read_record
+
+    try:
+        record = read_record(messages, whole=bool(data.get("whole", True)))
+    except UnusableRecord:
+        return False
+    calls = [[c.name, c.arguments, c.result] for c in record.calls]
+    return record.answers == data.get("answers") and json.loads(json.dumps(calls)) == data.get("calls")
 
 
 class Recorded:

@@ -327,3 +327,24 @@ def test_calls_held_among_other_entries_of_a_turn_are_read_where_call_if_says():
     # without call_if every frame is a call: the frames with no service call become calls with no name
     unnamed = chat_messages(dialogue["turns"], layout.model_copy(update={"call_if": None}))
     assert any(c["function"]["name"] is None for m in unnamed for c in m.get("tool_calls") or [])
+
+
+def test_the_recorded_conversation_of_a_task_is_the_one_it_was_made_of_when_others_open_the_same_way(
+        tmp_path, mlflow_store):
+    """Two dialogues open with the same user turn; the first has nothing to check (no task), the second makes
+    the task. The check replays the second (once it said the first, and the reservation was never made)."""
+    from tasks.collect import collect
+
+    reservation = json.loads((SGD_SLICE / "dialogues.json").read_text())[0]
+    opening = reservation["turns"][0]
+    nothing = {"dialogue_id": "0_00000", "services": reservation["services"], "turns": [
+        opening, {"speaker": "SYSTEM", "utterance": "What city do you want to dine in?", "frames": []},
+        {"speaker": "USER", "utterance": "Never mind, thank you.", "frames": []},
+        {"speaker": "SYSTEM", "utterance": "Have a good day.", "frames": []}]}
+    (tmp_path / "pipelines.yaml").write_text(SGD_CONFIG.read_text())
+    (tmp_path / "logs" / "sgd").mkdir(parents=True)
+    (tmp_path / "logs" / "sgd" / "dialogues.json").write_text(json.dumps([nothing, reservation]))
+    collect.fn(pipeline="sgd", root=str(tmp_path))
+    (said,) = recorded_conversations(tmp_path, "sgd").values()
+    assert any(m.get("tool_calls") for m in said), "the reservation's conversation, not the one with no task"
+    assert _meets_the_targets(tmp_path, "sgd") == (1, 1)
