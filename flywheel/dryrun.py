@@ -23,6 +23,8 @@ from flywheel.data.tasksets import own_tasks, short_splits
 from flywheel.errors import UserFacingError
 from flywheel.policies.null import NullPolicy
 from flywheel.policies.oracle import OraclePolicy
+from flywheel.replaycheck import ReplayCheck, check_replay, replayable
+from flywheel.replaycheck import render as render_replay
 
 NULL_WARNING = 0.2  # a null mean reward above this is a rubric that pays for doing nothing
 SHOWN = 5  # tasks listed per finding; the rest are counted
@@ -63,6 +65,7 @@ class DryRun:
     describe: dict[str, str]  # task id -> where the task is (file and row) with its prompt's opening
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    replay: ReplayCheck | None = None  # replay tasks: the recorded conversations and their perturbations
 
 
 class NoTasksError(UserFacingError, ValueError):
@@ -70,9 +73,10 @@ class NoTasksError(UserFacingError, ValueError):
 
 
 def dry_run(pipeline: str, cfg: PipelineConfig, harness: Harness, sample: int | None = None,
-            seed: int = 0) -> DryRun:
+            seed: int = 0, conversations: dict[str, list[dict]] | None = None) -> DryRun:
     """Run the solver and the null policy in the harness over its environment's tasks (all, or `sample` of them,
-    seeded)."""
+    seeded); replay tasks: the recorded accepted `conversations` (by task id) are the solver
+    (flywheel/replaycheck.py)."""
     env = harness.env
     tasks = own_tasks(env, cfg.environment, cfg.collect.heldout_fraction)
     origin = "own"
@@ -88,6 +92,10 @@ def dry_run(pipeline: str, cfg: PipelineConfig, harness: Harness, sample: int | 
                     solver=None, null=PolicyRun("null"), describe={t.task_id: env.describe_task(t) for t in checked})
     if origin == "own":
         report.warnings += short_splits(env.name, splits, cfg.environment, cfg.collect.heldout_fraction)
+    if conversations is not None and replayable(env):
+        report.replay = check_replay(env, harness, [t for t in checked if t.env == "replay"], conversations,
+                                     lambda t: report.describe[t.task_id])
+        report.errors += [f"replay: {e}" for e in report.replay.errors]
     if _has_solver(env, checked[0]):
         report.solver = _run(harness, OraclePolicy(env), "solver", checked, report.describe)
     report.null = _run(harness, NullPolicy(), "null", checked, report.describe)
@@ -151,10 +159,10 @@ def _findings(report: DryRun) -> None:
             f"the rubric rewards doing nothing on {len(paid)} of {len(null.episodes)} tasks: an empty answer with "
             f"no tool calls scores a mean reward of {null.mean_reward:.3f} (over {NULL_WARNING}), and passes "
             f"{null.passed}; the gate refuses a model that does not beat it. E.g. {examples}")
-    if report.solver is None:
+    if report.solver is None and report.replay is None:
         report.warnings.append(f"environment '{report.env}' has no scripted solver (Env(solver=...)): only the null "
                                "policy ran, so nothing shows the tasks can be solved")
-    elif report.solver.episodes and report.solver.passed < len(report.solver.episodes):
+    elif report.solver is not None and report.solver.episodes and report.solver.passed < len(report.solver.episodes):
         failed = len(report.solver.episodes) - report.solver.passed
         report.warnings.append(f"the solver fails {failed} of {len(report.solver.episodes)} tasks (listed above): "
                                "a task, the solver or the rubric is wrong")
@@ -203,6 +211,7 @@ def render(report: DryRun) -> list[str]:
     if report.null.episodes:
         lines.append(f"  null policy (an empty answer, no calls): mean reward {report.null.mean_reward:.3f}, passes "
                      f"{report.null.passed} of {len(report.null.episodes)}")
+    lines += render_replay(report.replay) if report.replay is not None else []
     lines += _parts_table(report)
     lines += [f"  error: {e}" for e in report.errors]
     lines += [f"  warning: {w}" for w in report.warnings]

@@ -17,9 +17,10 @@ from flywheel.data.redaction import Redactor
 from flywheel.data.schemas import Quarantine
 from flywheel.data.shapes import SourceError
 from flywheel.data.sources import readers, remote_fingerprint, unmatched_globs
-from flywheel.data.tasksets import made_tasks, task_table
+from flywheel.data.tasksets import made_tasks, row_task, task_table
 from flywheel.envs import environment_sources
 from flywheel.errors import UserFacingError
+from flywheel.replaycheck import collect_findings, recorded_conversations
 from flywheel.stages import StageResult
 from flywheel.tags import COLLECT_MODE_TAG, out_tag
 from tasks.caching import by_content
@@ -104,7 +105,16 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
         # a field the source names that a record lacks: its task falls back (recorded user turns and writes)
         metrics |= {f"missing_{k}": v for k, v in found.missing.items()}
         warnings = found.warnings + _short_splits(tables.tasks, cfg, env.name)
+        if hasattr(env, "agreement"):  # replay: labels its rewarded conversations contradict; a sample replayed
+            tasks = [row_task(r) for r in tables.tasks.to_pylist()]
+            contradicted, found_there = collect_findings(env, stage.harness, tasks,
+                                                         recorded_conversations(root_path, pipeline) or {})
+            metrics["replay_contradicted"] = contradicted
+            warnings += found_there
         metrics["warnings"] = len(warnings)
+        print(f"      collect: kept {len(outcomes)} traces ({metrics.get('outcome_accepted', 0)} accepted) of {read} "
+              f"records read, {bad} quarantined; {splits['train']} train and {splits['heldout']} held-out tasks; "
+              f"{len(warnings)} warning(s)", flush=True)
         for line in warnings[:WARNINGS_SHOWN]:
             print(f"      collect: warning: {line}", flush=True)
         if len(warnings) > WARNINGS_SHOWN:

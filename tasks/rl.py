@@ -10,7 +10,7 @@ import pandas as pd
 from flywheel.data.schemas import Rollouts
 from flywheel.data.tasksets import row_task
 from flywheel.errors import UserFacingError
-from flywheel.metrics import final_metrics
+from flywheel.metrics import RL_UPDATES, final_metrics
 from flywheel.stages import StageResult
 from flywheel.tags import (
     REWARD_HACKING_REASON_TAG,
@@ -70,6 +70,10 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
                       for step, version, episode in spread(traced, cfg.rl.trace_rollouts)],
                      run, pipeline, stage.env, kind="rl", split="train")
         log_curve(run, "rl")
+        if cfg.rl.steps:
+            print(f"      rl: {summary.get(RL_UPDATES, 0)} optimiser updates in {summary.get('steps', 0)} steps; "
+                  f"{summary.get('skipped_groups', 0)} groups skipped (equal rewards: no signal), "
+                  f"{summary.get('dropped_groups', 0)} dropped (stale)", flush=True)
         # RL switched off (steps 0) is asked for; RL that ran and changed nothing is said, or an error if asked
         warning = no_update_warning(summary, catalog.model_dir("sft"), out_dir) if cfg.rl.steps else ""
         catalog.write_json("rl", NO_UPDATES_FILE, {"warning": warning})

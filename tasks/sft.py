@@ -10,6 +10,7 @@ from flywheel.data.lineage import dvc_md5, log_dataset
 from flywheel.metrics import final_metrics
 from flywheel.stages import StageResult
 from flywheel.tags import ADAPTER_BASE_TAG
+from flywheel.train.context import check_fit, longest_collected
 from flywheel.train.sft import train_sft
 from flywheel.train.tiny import build_tiny_student, render_conversation
 from tasks.kernel import stage_context, stage_task
@@ -21,6 +22,8 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Sta
     """Build (tiny) or locate the base student, then SFT it on the accepted synthetic conversations."""
     with stage_context("sft", pipeline, root, parent_run_id, params=("student", "sft")) as stage:
         cfg, catalog, root_path, run = stage.cfg, stage.catalog, stage.root, stage.run
+        if longest_collected(stage.env):  # replay: prompts `flywheel run` could not read before collect wrote them
+            check_fit(pipeline, cfg, stage.env, root_path)
         synthetic = catalog.read("synthetic")
         log_dataset(run.run_id, synthetic, f"{pipeline}-synthetic", catalog.stage_dir("synthesize"),
                     dvc_md5(catalog.stage_dir("synthesize")))

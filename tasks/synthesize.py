@@ -9,6 +9,7 @@ rerun, so the table is written again byte for byte without a call.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
@@ -22,6 +23,7 @@ from flywheel.policies import Policy, get_policy
 from flywheel.policies.base import Sampling
 from flywheel.stages import StageResult
 from flywheel.synthesis import sample_row, select_targets, trace_rows
+from flywheel.train.context import check_fit, longest_collected
 from tasks.kernel import stage_context, stage_task
 from tasks.progress import Meter
 
@@ -36,6 +38,8 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
     # params: the teacher's key variable's NAME only, never the key
     with stage_context("synthesize", pipeline, root, parent_run_id, params=("teacher", "synthesize")) as stage:
         cfg, catalog, harness, env = stage.cfg, stage.catalog, stage.harness, stage.env
+        if longest_collected(env):  # replay: fail on prompts over the student's context before a teacher runs
+            check_fit(pipeline, cfg, env, stage.root)
         task_table = catalog.read("tasks")
         train = [row_task(r) for r in task_table.to_dict("records") if r["split"] == "train"]
         tasks = without_slices(train, cfg.synthesize.exclude_slices)
@@ -79,8 +83,21 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
                    **meter.totals(),
                    **{f"teacher_{k}": v for k, v in sorted(stats.items())},
                    "cost_usd_spent": meter.cost(stats.get("tokens_in", 0), stats.get("tokens_out", 0))}
+        metrics["traces_failed_rubric"] = len(traces) - metrics["traces_accepted"]
+        print(f"      synthesize: {accepted} of {len(rows)} teacher samples accepted{_traces_line(traces)}", flush=True)
         stage.run.metrics(metrics)
         return stage.done(metrics)
+
+
+def _traces_line(traces: list[dict]) -> str:
+    """What became of the accepted traces: how many failed their own rubric, and which parts were under 1."""
+    if not traces:
+        return ""
+    failed = [r for r in traces if not r["accepted"]]
+    parts = Counter(k for r in failed for k, v in json.loads(r["breakdown"] or "{}").items() if v < 1.0)
+    why = f" (parts under 1: {', '.join(f'{k} {n}' for k, n in parts.most_common())})" if parts else ""
+    return (f"; {len(traces) - len(failed)} of {len(traces)} accepted traces kept, {len(failed)} failed their own "
+            f"rubric{why}")
 
 
 def without_slices(tasks: list[Task], excluded: list[str]) -> list[Task]:

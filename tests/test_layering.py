@@ -39,8 +39,9 @@ LAYERS = (
     ("flywheel.envs",),
     # the one episode loop
     ("flywheel.agent",),
-    # its episodes (and served requests) as MLflow traces
-    ("flywheel.tracing",),
+    # its episodes (and served requests) as MLflow traces; replay's check: the recorded conversations said again
+    # through the loop, and changed
+    ("flywheel.tracing", "flywheel.replaycheck"),
     # what runs the loop: teacher synthesis, SFT and RL, the held-out evaluation and its gate, an environment's
     # dry run (`flywheel check --solve`)
     ("flywheel.synthesis", "flywheel.train", "flywheel.evaluate", "flywheel.dryrun"),

@@ -16,7 +16,7 @@ from flywheel.contract import ToolError, conversation_hash, prompt_hash
 from flywheel.data.catalog import Catalog
 from flywheel.envs import load_environment
 from flywheel.envs.replay import ReplayEnv
-from flywheel.policies.base import Completion
+from flywheel.replaycheck import Recorded, Says, conversation_key
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
@@ -80,33 +80,7 @@ def collected(tmp_path, mlflow_store):
 
 def recorded_conversations(root: Path) -> dict[str, list[dict]]:
     """Each collected conversation by its task's id (the prompt hash of its opening)."""
-    return {conversation_hash(json.loads(m)): json.loads(m) for m in Catalog(root, "bank").read("traces")["messages"]}
-
-
-class Recorded:
-    """A policy that says, turn by turn, what the recorded agent said in the conversation the prompt opens."""
-
-    def __init__(self, conversations: dict[str, list[dict]]):
-        self.turns = {key: [m for m in messages if m["role"] == "assistant"] for key, messages in conversations.items()}
-
-    def generate(self, conversations, tools, sampling, **_):
-        out = []
-        for messages in conversations:
-            turns = self.turns[conversation_hash(messages)]
-            done = sum(m["role"] == "assistant" for m in messages)
-            out.append(Completion(message=dict(turns[done]) if done < len(turns) else
-                                  {"role": "assistant", "content": "Goodbye."}))
-        return out
-
-
-class Says:
-    """A policy that answers every turn with one text and never calls a tool."""
-
-    def __init__(self, text: str):
-        self.text = text
-
-    def generate(self, conversations, tools, sampling, **_):
-        return [Completion(message={"role": "assistant", "content": self.text}) for _ in conversations]
+    return {conversation_key(json.loads(m)): json.loads(m) for m in Catalog(root, "bank").read("traces")["messages"]}
 
 
 def test_the_agent_is_multi_turn_with_attempts_at_each_scenario():
@@ -270,11 +244,16 @@ def test_expected_actions_are_the_target_writes_where_the_record_has_them(collec
     moved = [{**a, "arguments": {**a["arguments"], "amount": a["arguments"]["amount"] + 10}}
              if a["name"] == "transfer_funds" else a for a in expected]
     labelled = env.task_from_trace({**row, "expected_actions": json.dumps(moved)}, 0.25)
-    assert env.score(labelled, messages).breakdown["writes"] == 0.0, "the label, not the recording, is the target"
-    # a rejected attempt at the same scenario did one wrong write: against the scenario's label it scores 0
-    rejected = next(r for r in traces.to_dict("records") if r["outcome"] == "rejected" and r["expected_actions"])
-    graded = env.task_from_trace({**rejected, "outcome": "accepted"}, 0.25)
-    assert env.score(graded, json.loads(rejected["messages"])).breakdown["writes"] == 0.0
+    # the rewarded conversation contradicts its label: scored by what the two agree on (the accounts, not the amount)
+    assert env.agreement(labelled).disputes == ["transfer_funds made with other amount than expected"]
+    assert env.score(labelled, messages).breakdown["writes"] == 1.0
+    write_at = next(i for i, m in enumerate(messages) if any(
+        c["function"]["name"] == "transfer_funds" for c in m.get("tool_calls") or []))
+    other = copy.deepcopy(messages)
+    call = other[write_at]["tool_calls"][0]["function"]
+    call["arguments"] = json.dumps({**json.loads(call["arguments"]), "to_account": "ACC-0000"})
+    assert env.score(labelled, other).breakdown["writes"] == 0.0, "what both agree on is still required"
+    assert env.score(labelled, messages[:write_at]).breakdown["writes"] == 0.0, "and must be made"
     # without expected actions (the scored source) the recorded writes are the target
     scored = next(t for t in env.recorded_tasks() if t.slice == "replay/scored")
     assert scored.data["expected"] is None and env.score(scored, recorded_conversations(root)[scored.task_id]).passed
@@ -419,7 +398,7 @@ def test_an_openai_teacher_replaying_the_trace_scores_one_and_a_wrong_write_zero
 
 
 @pytest.mark.slow
-def test_sft_rl_and_evaluate_run_on_replay_tasks_with_no_user_code(tmp_path, mlflow_store, prefect_server):
+def test_sft_rl_and_evaluate_run_on_replay_tasks_with_no_user_code(tmp_path, mlflow_store, prefect_server, capsys):
     from conftest import make_project
     from openai_server import OracleServer, TraceReplayer
 
@@ -465,6 +444,9 @@ def test_sft_rl_and_evaluate_run_on_replay_tasks_with_no_user_code(tmp_path, mlf
     assert len(rl_traces) == 2 and {t.info.tags["flywheel.split"] for t in rl_traces} == {"train"}
     assert {t.info.tags["flywheel.rl_step"] for t in rl_traces} == {"0"}
     assert all({"reward", "passed"} <= {a.name for a in t.info.assessments} for t in rl_traces)
+    said = capsys.readouterr().out
+    assert "collect: kept " in said and "synthesize: " in said and " teacher samples accepted" in said
+    assert "rl: " in said and " optimiser updates in 1 steps; " in said and " groups skipped (equal rewards" in said
 
 
 def test_beside_another_environment_its_verifiable_traces_stay_its_own(tmp_path, mlflow_store):
@@ -503,7 +485,7 @@ def test_beside_another_environment_its_verifiable_traces_stay_its_own(tmp_path,
     assert copy_.counters["replay_served"] == 1
 
 
-def test_without_a_teacher_the_accepted_traces_are_the_targets(tmp_path, mlflow_store):
+def test_without_a_teacher_the_accepted_traces_are_the_targets(tmp_path, mlflow_store, capsys):
     """`teacher.policy: none`: synthesize samples nothing (the teacher URL here answers nothing) and the
     accepted train traces, re-scored by their own replay rubric, are the SFT targets; held-out ones never."""
     from tasks.collect import collect
@@ -521,6 +503,9 @@ def test_without_a_teacher_the_accepted_traces_are_the_targets(tmp_path, mlflow_
     assert len(synthetic) == len(accepted_train) > 0 and (synthetic["teacher"] == "trace").all()
     assert synthetic["accepted"].all() and (synthetic["reward"] == 1.0).all(), "each scores 1 under its own rubric"
     assert result.metrics["samples"] == 0 and result.metrics["traces_accepted"] == len(accepted_train)
+    n = len(accepted_train)
+    assert (f"synthesize: 0 of 0 teacher samples accepted; {n} of {n} accepted traces kept, 0 failed their own "
+            "rubric") in capsys.readouterr().out
 
     config["synthesize"]["include_accepted_traces"] = False
     (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"bank": config}}))

@@ -91,6 +91,7 @@ def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bo
     """`check --solve` over each pipeline's environment: its report printed; False when one has errors."""
     from flywheel.agent import load_harness
     from flywheel.dryrun import NoTasksError, dry_run, render
+    from flywheel.replaycheck import recorded_conversations
     from flywheel.settings import configure
 
     configure(root)
@@ -98,7 +99,7 @@ def _dry_run(root: Path, pipelines: dict, named: bool, sample: int | None) -> bo
     for name, cfg in pipelines.items():
         harness = load_harness(cfg.environment, root, pipeline=name)  # replay: the pipeline's collected tasks
         try:
-            report = dry_run(name, cfg, harness, sample=sample)
+            report = dry_run(name, cfg, harness, sample=sample, conversations=recorded_conversations(root, name))
         except NoTasksError as err:
             if named:
                 fail_each([str(err)], code=1)

@@ -104,7 +104,7 @@ def _environment(root: Path, name: str, cfg, checked: Checked):
     from flywheel.envs import EnvironmentLoadError
 
     try:
-        return load_harness(cfg.environment, root.resolve()).env
+        return load_harness(cfg.environment, root.resolve(), pipeline=name).env  # replay: its collected tasks
     except EnvironmentLoadError as err:
         checked.errors.append(f"{root / 'pipelines.yaml'}: pipelines.{name}.{err}")
         return None

@@ -27,6 +27,7 @@ from flywheel.config.collect import (
     RedactionConfig,
     RedactionKind,
     SourceConfig,
+    TurnLayout,
 )
 from flywheel.config.environment import EnvironmentConfig, ReplayConfig, ReplayJudgeConfig, UserConfig
 from flywheel.config.evaluation import EvaluateConfig, GateConfig, ReferenceConfig
@@ -51,7 +52,7 @@ __all__ = ["OBJECTIVES", "REDACTION_KINDS", "CollectConfig", "ConfigError", "End
            "EvaluateConfig", "FieldMapping", "GateConfig", "LoRAConfig", "OPDConfig", "OPDObjective", "Objective",
            "OutcomeRule", "PipelineConfig", "PipelinesFile", "RLConfig", "RedactionConfig", "RedactionKind",
            "ReferenceConfig", "ReplayConfig", "ReplayJudgeConfig", "RewardOPDObjective", "RewardObjective",
-           "SFTConfig", "ScheduleConfig", "Section", "SourceConfig", "StudentConfig", "SynthesizeConfig",
+           "SFTConfig", "ScheduleConfig", "Section", "SourceConfig", "StudentConfig", "SynthesizeConfig", "TurnLayout",
            "TeacherConfig", "TinyModelConfig", "TriggerConfig", "UserConfig", "load_each", "load_pipeline",
            "load_pipelines", "read_pipelines_file", "validate_pipeline"]
 

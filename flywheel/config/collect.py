@@ -38,6 +38,28 @@ class FieldMapping(Section):
         return self
 
 
+class TurnLayout(Section):
+    """How a record writes each message when it is not OpenAI chat (flywheel/data/turns.py): paths into a
+    message, and into each of its calls."""
+
+    role: str = "role"
+    content: str = "content"
+    roles: dict[str, str] = {}  # the log's role names -> system, user, assistant, tool ({AI: assistant})
+    skip: list[str] = []  # roles (after renaming) whose messages are left out
+    calls: str | None = "tool_calls"  # an assistant message's list of calls
+    # Only the entries of `calls` holding this path are calls (a turn's list of frames, some with a call in them);
+    # unset: every entry is a call.
+    call_if: str | None = None
+    call_name: str = "name"
+    call_arguments: str = "arguments"  # an object, or its JSON text
+    call_id: str | None = "id"  # null: ids are made up (call_<message>_<call>)
+    # Each call holds its own result (ToolTalk): where; the call's error, when it has one, is the result instead.
+    # Unset: results are tool messages, each naming its call at `result_id`.
+    call_result: str | None = None
+    call_error: str | None = None
+    result_id: str = "tool_call_id"
+
+
 class OutcomeRule(Section):
     """accepted/rejected/unknown from the outcome field's value (a flag is a true/false field), else the score."""
 
@@ -46,6 +68,8 @@ class OutcomeRule(Section):
     unknown: list[str | bool | int] = ["unknown"]
     # When the outcome field is absent: score >= threshold is accepted, below it rejected; None: unknown.
     score_threshold: float | None = None
+    # A record with neither an outcome nor a score (a benchmark's reference conversations: all accepted).
+    missing: Literal["accepted", "rejected", "unknown"] = "unknown"
 
 
 class SourceConfig(Section):
@@ -59,6 +83,8 @@ class SourceConfig(Section):
     format: Literal["auto", "jsonl", "json", "parquet"] = "auto"  # auto: by file name
     shape: Literal["auto", "chat", "proxy", "mapped"] = "auto"  # auto: detected per record
     fields: FieldMapping = FieldMapping()
+    # the messages' own layout, when they are not OpenAI chat messages (turns.py); null: they are
+    turns: TurnLayout | None = None
     outcome: OutcomeRule = OutcomeRule()
 
     @model_validator(mode="before")

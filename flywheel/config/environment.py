@@ -25,11 +25,19 @@ class ReplayJudgeConfig(EndpointConfig):
 class ReplayConfig(Section):
     """How recorded traces become tasks: tools served from the record, a rubric from the accepted outcome."""
 
-    # Tool names that only read (case-insensitive regex, matched at the start); every other recorded call is a
-    # write the rubric requires, with matching arguments, none missing and none extra.
-    reads: str = "get|list|search|find|lookup|read"
-    # Free text (string arguments of two words or more) matches when the word overlap (Jaccard) reaches this;
-    # 1.0: normalised text must be equal. Ids, numbers and one-word strings always match exactly (normalised).
+    # Which tools change state (flywheel/envs/replay/writes.py): `writes` and `reads` name tools; a tool the
+    # logs' expected actions name is a write; `read_pattern` (case-insensitive regex, matched at the start) marks
+    # look-ups, which never count; with neither list nor expected actions, every other tool is a write.
+    writes: list[str] = []
+    reads: list[str] = ["think", "calculate", "calculator"]
+    read_pattern: str = "get|list|search|find|lookup|look_up|read|query|fetch|show|view"
+    # How a write's argument is compared, by `tool.argument` or `argument`: exact, normalised (case, spacing,
+    # number formats), judge (the model of `judge` below says whether the two say the same) or ignore.
+    # Unnamed: normalised; free text (five words or more) takes `free_text`.
+    arguments: dict[str, Literal["exact", "normalised", "judge", "ignore"]] = {}
+    free_text: Literal["exact", "normalised", "judge", "ignore"] = "ignore"
+    # Serving a model's call from the record: free text (two words or more) matches a recorded call's when the
+    # word overlap (Jaccard) reaches this; 1.0: normalised text must be equal. Ids always match exactly.
     fuzzy: float = Field(0.8, gt=0, le=1)
     writes_weight: float = Field(0.5, ge=0)
     facts_weight: float = Field(0.5, ge=0)
@@ -38,12 +46,27 @@ class ReplayConfig(Section):
     # the model does not repeat what was rejected), in its own slice.
     rejected: Literal["drop", "eval"] = "drop"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _reads_pattern(cls, data):
+        # `reads` was once the pattern alone: a string is still taken as one
+        if isinstance(data, dict) and isinstance(data.get("reads"), str):
+            data = {**data, "read_pattern": data["reads"], "reads": ["think", "calculate", "calculator"]}
+        return data
+
     @model_validator(mode="after")
     def _usable(self) -> ReplayConfig:
         try:
-            re.compile(self.reads)
+            re.compile(self.read_pattern)
         except re.error as err:
-            raise ValueError(f"reads {self.reads!r} is not a valid regex: {err}") from None
+            raise ValueError(f"read_pattern {self.read_pattern!r} is not a valid regex: {err}") from None
+        judged = sorted(k for k, rule in self.arguments.items() if rule == "judge") + \
+            (["free_text"] if self.free_text == "judge" else [])
+        if judged and self.judge is None:
+            raise ValueError(f"{judged}: the `judge` rule needs replay.judge (the model that compares the values)")
+        both = sorted(set(self.writes) & set(self.reads))
+        if both:
+            raise ValueError(f"{both} named in both writes and reads: a tool is one or the other")
         if self.writes_weight + self.facts_weight + (self.judge.weight if self.judge else 0) <= 0:
             raise ValueError("the replay rubric needs a positive total weight (writes_weight, facts_weight, judge)")
         return self

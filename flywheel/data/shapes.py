@@ -196,7 +196,7 @@ def outcome_of(value, score: float | None, rule: OutcomeRule, path: str) -> str:
     if value is _MISSING or value is None:
         if rule.score_threshold is not None and score is not None:
             return "accepted" if score >= rule.score_threshold else "rejected"
-        return "unknown"
+        return rule.missing if score is None else "unknown"
     for outcome, values in (("accepted", rule.accepted), ("rejected", rule.rejected), ("unknown", rule.unknown)):
         if any(_loosely_equal(value, v) for v in values):
             return outcome

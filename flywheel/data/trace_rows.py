@@ -15,6 +15,7 @@ from flywheel.config import CollectConfig, SourceConfig
 from flywheel.contract import conversation_hash, split_of
 from flywheel.data.redaction import Redactor
 from flywheel.data.shapes import _MISSING, BadRecord, extract, get_path
+from flywheel.data.turns import chat_messages
 
 __all__ = ["JSON_SORTED", "BadRecord", "normalise_messages", "redact_location", "to_trace", "to_trace_parts",
            "unknown_actions"]
@@ -147,7 +148,8 @@ def to_trace_parts(record: dict, source: SourceConfig, location: str, cfg: Colle
     """to_trace's row, its messages as a list (what json.loads of the row's `messages` gives), and the fields
     the config names that the record lacks (scenario, expected_actions, group)."""
     parts = extract(record, source)
-    messages, tools = normalise_messages(parts.messages, open_end=parts.partial), _list(parts.tools, "tools")
+    raw = parts.messages if source.turns is None else chat_messages(parts.messages, source.turns)
+    messages, tools = normalise_messages(raw, open_end=parts.partial), _list(parts.tools, "tools")
     tools_text = _tools_text(tools)
     # Gated first, as one text, since most records have nothing to redact: the strings of the messages (their
     # shape is normalise_messages's), the tool list as its text (which holds all its strings), the rest

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +13,8 @@ from flywheel.agent import Episode, Harness
 from flywheel.contract import Task, conversation_hash, prompt_hash
 from flywheel.errors import UserFacingError
 from flywheel.policies.base import Policy, Sampling
+
+PROGRESS_EVERY_S = 30.0  # how often evaluate says, per model, how many of its episodes are done
 
 
 class ContaminationError(UserFacingError, RuntimeError):
@@ -52,24 +56,57 @@ def evaluate_policy(policy: Policy, harness: Harness, tasks: list[Task], label: 
     """
     scored = Scored([])
     step = chunk or max(len(tasks), 1)
-    for start in range(0, len(tasks), step):
-        part = tasks[start:start + step]
-        try:
-            episodes = harness.run(policy, part, samples=1, sampling=Sampling(temperature=0.0))
-            if samples:
-                sampled = harness.run(policy, part, samples=samples,
-                                      sampling=Sampling(temperature=temperature, seed=seed))
-                for episode in sampled:
-                    episode.sample += 1
-                episodes += sampled
-        except failures as err:
-            scored.unanswered += len(part)
-            scored.failure = f"{type(err).__name__}: {err}"
-            continue
-        scored.user_errors += sum(not e.scored for e in episodes)
-        scored.rows += [_row(label, e, prices) for e in episodes if e.scored]
-        scored.episodes += [e for e in episodes if e.scored]
+    with Progress(label, len(tasks) * (1 + samples)) as done:
+        for start in range(0, len(tasks), step):
+            _run_part(policy, harness, tasks[start:start + step], label, samples, temperature, seed, prices, failures,
+                      scored, done)
     return scored
+
+
+def _run_part(policy: Policy, harness: Harness, part: list[Task], label: str, samples: int, temperature: float,
+              seed: int, prices: tuple[float, float], failures: tuple, scored: Scored, done: Progress) -> None:
+    """One chunk of tasks: its greedy episodes, then its sampled ones, into `scored`."""
+    try:
+        episodes = harness.run(policy, part, samples=1, sampling=Sampling(temperature=0.0), on_done=done)
+        if samples:
+            sampled = harness.run(policy, part, samples=samples, on_done=done,
+                                  sampling=Sampling(temperature=temperature, seed=seed))
+            for episode in sampled:
+                episode.sample += 1
+            episodes += sampled
+    except failures as err:
+        scored.unanswered += len(part)
+        scored.failure = f"{type(err).__name__}: {err}"
+        return
+    scored.user_errors += sum(not e.scored for e in episodes)
+    scored.rows += [_row(label, e, prices) for e in episodes if e.scored]
+    scored.episodes += [e for e in episodes if e.scored]
+
+
+class Progress:
+    """Says on the console, every PROGRESS_EVERY_S while a model's episodes run, how many of them are done."""
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total, self.done = label, total, 0
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._say, daemon=True)
+
+    def __call__(self, episode: Episode) -> None:
+        self.done += 1
+
+    def __enter__(self) -> Progress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _say(self) -> None:
+        while not self._stop.wait(PROGRESS_EVERY_S):
+            print(f"      evaluate: {self.label}: {self.done} of {self.total} episodes done "
+                  f"({time.monotonic() - self._started:.0f}s)", flush=True)
 
 
 def evaluate_model(model_dir: Path, harness: Harness, tasks: list[Task], label: str, *, batch_size: int,

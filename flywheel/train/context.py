@@ -82,7 +82,7 @@ def check_fit(pipeline: str, cfg: PipelineConfig, env: Environment, root: Path) 
     if context is None:
         return ["the student's config names no max_position_embeddings, so the prompt's fit was not checked"]
     keys = f"pipelines.{pipeline}"
-    tasks = first_tasks(env, cfg.environment.seed)
+    tasks = first_tasks(env, cfg.environment.seed) + longest_collected(env)
     problems = _max_lengths(keys, cfg, context)
     if not tasks:  # an environment whose tasks come from traces: nothing to render before collect
         _raise(problems)
@@ -106,6 +106,13 @@ def check_fit(pipeline: str, cfg: PipelineConfig, env: Environment, root: Path) 
                     f"{err}"]
     _raise(problems + _prompt_problems(keys, cfg, prompt, context))
     return []
+
+
+def longest_collected(env: Environment, count: int = 8) -> list[Task]:
+    """The collected tasks (replay's, from the tasks table) with the longest prompts; none before collect."""
+    recorded = getattr(env, "recorded_tasks", None)
+    tasks = recorded() if recorded is not None else []
+    return sorted(tasks, key=lambda t: len(json.dumps(t.prompt, ensure_ascii=False)), reverse=True)[:count]
 
 
 def _raise(problems: list[str]) -> None:

@@ -8,7 +8,9 @@ ends it at the first answer. The tools are the trace's schemas (or ones inferred
 model calls a tool, the recorded result of the matching recorded call answers (matching.py: the same tool, the
 same arguments once normalised, free text by word overlap); a call that was never recorded gets "not available
 in replay: ..." and is counted. The rubric (rubric.py) is the accepted outcome over the whole conversation:
-the same writes (or the record's expected actions), the answers' facts, optionally a judge.
+the same writes (writes.py: tools known by what they do, errored calls changing nothing, arguments compared by
+their rule; with expected actions, what the label and the recording agree on), the answers' facts, optionally a
+judge.
 
 pipelines.yaml: `environment: {name: replay}` alone, or `replay: {...}` beside another environment, whose
 verifiable traces stay its own. Replay cannot check what the record does not show: a write with other
@@ -18,7 +20,6 @@ arguments than the recorded ones that would also have been right, or a read whos
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,10 +34,16 @@ from flywheel.envs.replay.rubric import (
     answers,
     combine,
     facts_stated,
-    model_calls,
     scored_part,
-    wanted_writes,
-    writes_made,
+)
+from flywheel.envs.replay.writes import (
+    ARGUMENT_TEMPLATE,
+    Agreement,
+    WriteRules,
+    agreement,
+    model_writes,
+    recorded_writes,
+    writes_match,
 )
 
 NAME = "replay"
@@ -72,13 +79,20 @@ class ReplayEnv(Environment):
         self.base = base
         self.name = NAME if base is None else f"{base.name}+{NAME}"
         self.tasks_table = tasks_table  # the pipeline's tasks: what tools() offers (read on first use)
-        self._reads = re.compile(f"(?:{self.cfg.reads})", re.IGNORECASE)
-        self._judge = None
+        self._named: set[str] = set()  # the tools the expected actions of the tasks built here name
+        self._judge = self._arguments_judge = None
         if self.cfg.judge is not None:
             from flywheel.envs.judge import JudgeReward
 
             self._judge = JudgeReward.from_config(JUDGE_TEMPLATE, self.cfg.judge, root)
+            self._arguments_judge = JudgeReward.from_config(ARGUMENT_TEMPLATE, self.cfg.judge, root)
+            self._arguments_judge.__name__ = "argument_judge"
+        self.rules = WriteRules.from_config(self.cfg, self._arguments_judge)
         self._recorded: list[Task] | None = None
+        # read once from the recorded tasks (each score and episode asks; parsing every task's JSON each time
+        # made the replay check quadratic in the tasks): the names their expected actions give, their tools
+        self._recorded_named: set[str] = set()
+        self._recorded_tools: list[dict] = []
         self._made: dict[str, dict] = {}  # tool schemas of the tasks built here (collect), by name
 
     def _init_runtime(self) -> None:
@@ -88,7 +102,7 @@ class ReplayEnv(Environment):
 
     def counter_parts(self) -> list:
         """The base environment, the judge and the LLM user: their counters join the calls served here."""
-        return [part for part in (self.base, self._judge, self._llm_user) if part is not None]
+        return [part for part in (self.base, self._judge, self._arguments_judge, self._llm_user) if part is not None]
 
     def llm_user(self):
         """The LLM that plays the user (environment.user: openai), built on first use in this process."""
@@ -110,15 +124,26 @@ class ReplayEnv(Environment):
 
                 table = pq.read_table(self.tasks_table).to_pylist()
                 tasks = [row_task(r) for r in table if r["env"] == NAME]
-            self._recorded = tasks
+            self._take(tasks)
         return self._recorded
+
+    def use_tasks(self, tasks: list[Task]) -> None:
+        """Take these as the pipeline's tasks (collect, once it built them: the table read before is stale)."""
+        self._take([t for t in tasks if t.env == NAME])
+
+    def _take(self, tasks: list[Task]) -> None:
+        self._recorded = tasks
+        data = [t.data for t in tasks]
+        self._recorded_named = {name for d in data for name, _ in d.get("expected") or []}
+        self._recorded_tools = [s for d in data for s in d["tools"]]
 
     def tools(self) -> list[dict]:
         """The base environment's tools, then every replay task's (the first schema of a name wins): the model
         sees one tool list in training and in eval."""
         schemas = list(self.base.tools()) if self.base is not None else []
         names = {s["function"]["name"] for s in schemas}
-        for schema in [s for t in self.recorded_tasks() for s in t.data["tools"]] + list(self._made.values()):
+        self.recorded_tasks()
+        for schema in self._recorded_tools + list(self._made.values()):
             if schema["function"]["name"] not in names:
                 names.add(schema["function"]["name"])
                 schemas.append(schema)
@@ -157,7 +182,9 @@ class ReplayEnv(Environment):
         # the label's own writes (those of the whole conversation) are the target; a rejected trace's task asks
         # that its own writes not be repeated
         expected = _json(trace.get("expected_actions") or "null") if outcome == "accepted" and whole else None
-        expected = None if expected is None else [[a["name"], a["arguments"]] for a in expected]
+        # ({name, kwargs} too: collect stores {name, arguments}, a trace given here may be as its log wrote it)
+        expected = None if expected is None else [[a["name"], a.get("arguments", a.get("kwargs", {}))]
+                                                  for a in expected]
         tools = _json(trace.get("tools") or "[]") or infer_tools(record.calls)
         source = trace.get("source") or "traces"
         data = {"source": source, "outcome": outcome, "tools": tools, "target": record.target,
@@ -167,9 +194,11 @@ class ReplayEnv(Environment):
         task = Task(task_id=prompt_hash(record.prompt), env=NAME, prompt=record.prompt,
                     answer=json.dumps(data, ensure_ascii=False, sort_keys=True), slice=f"{NAME}/{source}",
                     split=trace.get("split") or "train", group=trace.get("group") or "")
-        if not wanted_writes(task, self._reads) and not record.facts and self._judge is None:
+        named = self.named() | {name for name, _ in expected or []}
+        if not self.agreement(task, named).required and not record.facts and self._judge is None:
             return None  # nothing the rubric could check: an empty answer would pass it
         with self._lock:
+            self._named.update(name for name, _ in expected or [])
             for schema in tools:
                 self._made.setdefault(schema["function"]["name"], schema)
         if outcome == "rejected":
@@ -188,6 +217,20 @@ class ReplayEnv(Environment):
             said = [m["content"] for m in [*record.prompt, *record.users] if m.get("role") == "user"]
             return {"scenario": "Say, in turn, when the assistant answers: " + " | ".join(said),
                     "scenario_by": "recorded turns"}
+
+    # --- what changed state
+
+    def named(self) -> set[str]:
+        """The tools the logs' expected actions name (every collected task's, and those built here)."""
+        self.recorded_tasks()
+        return self._named | self._recorded_named
+
+    def agreement(self, task: Task, named: set[str] | None = None) -> Agreement:
+        """The writes a replay task requires and allows, and where its label and its recording disagree."""
+        named = self.named() if named is None else named
+        data = task.data
+        recorded = recorded_writes(data["calls"][:data["target"]], self.rules, named)
+        return agreement(data.get("expected"), recorded, self.rules, named)
 
     # --- episodes
 
@@ -245,12 +288,13 @@ class ReplayEnv(Environment):
         each part weighed only where there is something to check (rubric.py)."""
         if task.env != NAME:
             return self.base.score(task, messages, state.inner if isinstance(state, BaseState) else state)
-        data = task.data
-        wanted, made = wanted_writes(task, self._reads), model_calls(task, messages)
+        data, named = task.data, self.named()
+        agreed = self.agreement(task, named)
+        made = model_writes(scored_part(task, messages), self.rules, named)
         said = answers(task, messages)
         parts, weights = {}, {}
-        if wanted or any(not self._reads.match(name) for name, _ in made):
-            parts["writes"] = writes_made(wanted, made, self._reads, self.cfg.fuzzy)
+        if agreed.required or made:
+            parts["writes"] = writes_match(agreed.required, agreed.allowed, made, self.rules)
             weights["writes"] = self.cfg.writes_weight
         if data["facts"]:
             parts["facts"] = facts_stated(data["facts"], said)

@@ -1,9 +1,9 @@
 """The replay rubric, from the accepted outcome: the same writes, the same facts, optionally a judge's verdict.
 
 Over the whole conversation (every turn of the agent's), or its first exchange when the task is single-turn:
-- writes: the target's state-changing calls (tools whose names do not match `reads`), or the record's expected
-  actions where it has them (the label's own ground truth), were made with matching arguments, none missing and
-  none extra (order free): 1, else 0;
+- writes: the target's state-changing calls (writes.py says which tools change state; a call that errored
+  changed nothing), or the record's expected actions where it has them (what the label and the rewarded
+  conversation agree on), were made with matching arguments, none missing and none extra (order free): 1, else 0;
 - facts: the share of the facts the accepted answers stated that tool results had told the agent (numbers,
   ids, dates, amounts) which the model's answers state;
 - judge (optional): a model's verdict comparing the conversation with the accepted one.
@@ -15,11 +15,8 @@ neither is no task at all (ReplayEnv.task_from_trace).
 
 from __future__ import annotations
 
-import re
-
 from flywheel.contract import Score, Task
-from flywheel.envs.replay.matching import Call, Matcher
-from flywheel.envs.replay.record import call_arguments, facts_in
+from flywheel.envs.replay.record import facts_in
 
 JUDGE_TEMPLATE = """You compare an assistant's conversation with a customer against one the customer accepted.
 
@@ -50,45 +47,10 @@ def scored_part(task: Task, messages: list[dict]) -> list[dict]:
     return out
 
 
-def model_calls(task: Task, messages: list[dict]) -> list[tuple[str, dict | None]]:
-    """The calls the model made in the scored part: (name, arguments; None when they are not a JSON object)."""
-    calls = []
-    for message in scored_part(task, messages):
-        if message.get("role") != "assistant":
-            continue
-        for call in message.get("tool_calls") or []:
-            calls.append(((call.get("function") or {}).get("name", ""), call_arguments(call)))
-    return calls
-
-
 def answers(task: Task, messages: list[dict]) -> list[str]:
     """The model's answers in the scored part: its assistant messages without tool calls."""
     return [m.get("content") or "" for m in scored_part(task, messages)
             if m.get("role") == "assistant" and not m.get("tool_calls")]
-
-
-def wanted_writes(task: Task, reads: re.Pattern) -> list[Call]:
-    """The writes the task requires: its expected actions where the record has them, else the target's writes."""
-    data = task.data
-    if data.get("expected") is not None:
-        wanted = [Call(name, arguments, "") for name, arguments in data["expected"]]
-    else:
-        wanted = [Call(name, arguments, result) for name, arguments, result in data["calls"][:data["target"]]]
-    return [c for c in wanted if not reads.match(c.name)]
-
-
-def writes_made(wanted: list[Call], made: list[tuple[str, dict | None]], reads: re.Pattern, fuzzy: float) -> float:
-    """1 when the model's writes are the wanted writes, each matched once (order free), else 0."""
-    writes = [(name, arguments) for name, arguments in made if not reads.match(name)]
-    if len(writes) != len(wanted):
-        return 0.0
-    matcher = Matcher(wanted, fuzzy)
-    for name, arguments in writes:
-        i = None if arguments is None else matcher.find(name, arguments, reuse=False)
-        if i is None:
-            return 0.0
-        matcher.used[i] = True
-    return 1.0
 
 
 def facts_stated(required: list[str], said: list[str]) -> float:
