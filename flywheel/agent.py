@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from flywheel.contract import STOP, Environment, Task, ToolError, UserError
@@ -75,18 +75,21 @@ def call_tool(env: Environment, call: dict, timeout_s: float, state: object = No
 
 @dataclass(frozen=True)
 class Limits:
-    """Where an episode is cut and how long a tool may run (the defaults are the `environment:` section's)."""
+    """Where an episode is cut, how long a tool may run and whether tool calls are constrained (the defaults are the
+    `environment:` section's)."""
 
     max_turns: int = 4  # assistant messages per episode
     max_tokens: int | None = None  # tokens the agent generates per episode (None: no limit)
     tool_timeout_s: float = 2.0
     max_error_turns: int | None = None  # assistant turns in a row with a malformed tool call (None: no limit)
+    # tool calls decoded under a grammar (environment.constrained_tools): every run's Sampling.constrained
+    constrained: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> Limits:
         """The limits of a pipeline's `environment:` section (flywheel.config.EnvironmentConfig)."""
         return cls(max_turns=cfg.max_turns, max_tokens=cfg.max_episode_tokens, tool_timeout_s=cfg.tool_timeout_s,
-                   max_error_turns=cfg.max_error_turns)
+                   max_error_turns=cfg.max_error_turns, constrained=cfg.constrained_tools)
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,8 @@ class Harness:
         An episode of a failed simulated user is still returned (stop "user_error"), scored but marked: callers
         leave it out (Episode.scored)."""
         env = self.env
-        sampling = sampling or Sampling()
+        # the harness, not each caller, says whether tool calls are constrained: one setting for every use
+        sampling = replace(sampling or Sampling(), constrained=self.limits.constrained)
         episodes = [Episode(task=t, sample=s, messages=[dict(m) for m in t.prompt])
                     for t in tasks for s in range(samples)]
         tools = env.tools()

@@ -126,6 +126,12 @@ class EnvironmentConfig(Section):
     max_episode_tokens: int | None = Field(None, ge=1)
     tool_timeout_s: float = Field(2.0, gt=0)
     max_error_turns: int | None = Field(None, ge=1)
+    # Constrained decoding of tool calls (flywheel/policies/constrained.py): while the model writes a
+    # `<tool_call>`, only tokens that keep it a valid call of an offered tool (arguments valid against its
+    # schema) may be sampled; the policy's log-probabilities are those of the masked distribution. The harness
+    # carries it (Limits.constrained), so synthesis, RL, evaluate and serving's loop sample under one setting;
+    # a backend that cannot constrain (the oracle, a remote server) ignores it.
+    constrained_tools: bool = False
     # Who answers the agent after it answers: replay tasks default to their recorded user turns (UserConfig);
     # an environment written with the SDK declares its own user (Env(user=...)).
     user: UserConfig = UserConfig()
