@@ -49,6 +49,7 @@ bench: $(SMOL_STAMP)
 	$(BIN)/python benchmarks/collect.py
 	$(BIN)/python benchmarks/synthesis.py
 	$(BIN)/python benchmarks/envs.py
+	$(BIN)/python benchmarks/constrained.py
 	$(BIN)/python benchmarks/replay.py
 	$(BIN)/python benchmarks/sft.py
 	$(BIN)/python benchmarks/rl_async.py

@@ -102,6 +102,8 @@ FIGURES = {
     "synthesis.py": {"concurrency", "samples_per_s_concurrent", "samples_per_s_sequential", "ratio", "ideal_ratio",
                      "fraction_of_ideal"},
     "envs.py": {"harness_episodes_per_s", "bare_episodes_per_s", "ratio"},
+    "constrained.py": {"library", "tiny_compile_ms", "tiny_masked_us_per_token", "tiny_free_us_per_token",
+                       "smol_compile_ms", "smol_masked_us_per_token", "smol_free_us_per_token"},
     "replay.py": {"traces", "recorded_calls", "answered", "episodes_per_s", "recorded", "null", "id_only"},
     "sft.py": {"steps", "batch_size", "stage_tokens_per_s", "bare_trl_tokens_per_s", "ratio"},
     "rl_async.py": {"sync_wall_s", "async_wall_s", "sync_generate_s", "sync_train_s", "sync_learner_idle_fraction",
