@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import string
 
 import jsonschema
@@ -18,7 +19,7 @@ from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies.base import Sampling
 from flywheel.policies.constrained import CLOSE, OPEN, ConstraintError, row_constraints
 from flywheel.policies.oracle import OraclePolicy
-from flywheel.policies.toolcalls import parse_completion
+from flywheel.policies.toolcalls import TOOL_CALL, parse_completion
 
 CHOICES = ("auto", "required", "named", "none")
 
@@ -129,10 +130,14 @@ def check_answer(text: str, tools: list[dict], choice: str, named: str) -> int:
     assert completion.error is None, (completion.error, text)
     calls = completion.message.get("tool_calls") or []
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-    for call in calls:
+    for call, body in zip(calls, TOOL_CALL.findall(text), strict=True):
         name = call["function"]["name"]
         assert name in schemas, text
         jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])
+        # the form the templates render and the students learn: name first, json.dumps separators, no whitespace
+        assert body.startswith('{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": {'), body
+        skeleton = re.sub(r'"(?:[^"\\]|\\.)*"', '""', body)  # the strings' contents taken out
+        assert not re.search(r"\s", re.sub(r"[,:] ", "", skeleton)), body
     if choice in ("required", "named"):
         assert calls and text.startswith(OPEN), text
     if choice == "named":
