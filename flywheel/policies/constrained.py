@@ -82,17 +82,14 @@ class RowConstraint:
             self._masked = False
             return None
         self._masked = True
-        bools = np.unpackbits(self._bits.view(np.uint8), bitorder="little").view(bool)
-        mask = np.zeros(self._vocab_size, dtype=bool)
-        n = min(self._vocab_size, self._grammar.n_vocab)
-        mask[:n] = bools[:n]
-        return torch.from_numpy(mask)
+        # the bits past the tokenizer's length are 0, and unpackbits pads with 0 up to `count`
+        return torch.from_numpy(np.unpackbits(self._bits.view(np.uint8), count=self._vocab_size,
+                                              bitorder="little").view(bool))
 
     def accept(self, token_id: int) -> None:
         """Advance past the sampled token."""
         token_id = int(token_id)
-        if token_id < self._grammar.n_vocab and self._matcher.validate_tokens([token_id]) == 1:
-            self._matcher.consume_token(token_id)
+        if token_id < self._grammar.n_vocab and self._matcher.try_consume_tokens([token_id]) == 1:
             return
         if not self._masked:
             return  # a special token in free text: it opens nothing, the grammar passes over it
