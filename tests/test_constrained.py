@@ -8,13 +8,15 @@ import logging
 import random
 import re
 import string
+from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
+import yaml
 
 from flywheel.agent import Harness, Limits, load_harness
-from flywheel.config import EnvironmentConfig
+from flywheel.config import ConfigError, EnvironmentConfig, load_pipelines
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies.base import Sampling
 from flywheel.policies.constrained import CLOSE, OPEN, ConstraintError, row_constraints
@@ -22,6 +24,7 @@ from flywheel.policies.oracle import OraclePolicy
 from flywheel.policies.toolcalls import TOOL_CALL, parse_completion
 
 CHOICES = ("auto", "required", "named", "none")
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -240,11 +243,20 @@ def test_a_schema_the_library_cannot_compile_is_named_and_its_calls_still_parse(
                                         tools[1]["function"]["parameters"])
 
 
-def test_the_key_validates_and_a_misspelt_one_is_still_named():
-    assert EnvironmentConfig().constrained_tools is False
-    assert Limits.from_config(EnvironmentConfig(constrained_tools=True)).constrained is True
-    with pytest.raises(ValueError, match="constrained_tool"):
-        EnvironmentConfig(constrained_tool=True)
+def test_the_key_validates_and_a_misspelt_one_is_still_named(tmp_path):
+    data = yaml.safe_load((REPO / "pipelines.yaml").read_text())
+    data["pipelines"]["demo"].setdefault("environment", {})["constrained_tools"] = True
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump(data))
+    environment = load_pipelines(tmp_path / "pipelines.yaml")["demo"].environment
+    assert environment.constrained_tools is True and Limits.from_config(environment).constrained is True
+    assert EnvironmentConfig().constrained_tools is False and Limits.from_config(EnvironmentConfig()) == Limits()
+    data["pipelines"]["demo"]["environment"]["constrained_tool"] = data["pipelines"]["demo"]["environment"].pop(
+        "constrained_tools")
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as err:
+        load_pipelines(tmp_path / "pipelines.yaml")
+    assert ("pipelines.demo.environment.constrained_tool: unknown key; did you mean 'constrained_tools'?"
+            in str(err.value))
     with pytest.raises(ValueError, match="constrained_tools"):
         EnvironmentConfig(constrained_tools="sometimes")
 
