@@ -7,17 +7,17 @@ compiled by llguidance (chosen over xgrammar by measurement: docs/measured.md) o
 tool_choice) and cached; each row of a batch gets its own matcher.
 
 - "auto": free text; from the moment the text opens a call until `</tool_call>`, only a call of an offered tool
-  whose arguments are valid against its JSON schema; then free again. The opener is one token where the tokenizer
-  has it as one (the tiny student) and text otherwise (SmolLM2: `<`, `tool`, `_call`, `>`): a lazy grammar rule
-  waits for it either way; the free text can never spell it outside a call.
+  whose arguments are valid against its JSON schema; then free again. Where the tokenizer has the opener as one
+  token (the tiny student) that token opens a call and free text may not spell the marker out; where it is text
+  (SmolLM2 writes `<`, `tool`, `_`, `call`, `>`) a lazy grammar rule ends the free text at the marker.
 - "required" or a named function ({"type": "function", "function": {"name": N}}): one or more calls (of that
   function) from the first token, then the end of the answer (eos).
 - "none": never a call.
 
-Free text is unmasked: `allowed()` is None when the grammar allows every token but special ones that mean
-nothing to a call (`<|im_start|>`, padding, ...); such a token, sampled there, is passed over. So masks, and the
-learner's work with them, exist only where a call is being written (or where free text would open one it must
-not).
+Free text is unmasked: `allowed()` is None when the grammar allows every token that free text can take at all;
+the others (special tokens such as `<|im_start|>`, bytes that cannot begin a character), sampled there, are
+passed over, as they open nothing. So masks, and the learner's work with them, exist only where a call is being
+written or where the free text could open one it must not (with "none" and a one-token opener: every position).
 
 A tool whose schema the library cannot compile is not an error that stops a run: a warning names the tool and
 the library's reason, and that tool's arguments are constrained to any JSON object (its name still to an offered
