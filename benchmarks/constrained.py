@@ -65,12 +65,8 @@ def per_token_us(tokenizer, tools: list[dict], choice: str, walks: int, rng: ran
     return round(spent / max(tokens, 1) * 1e6, 1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--walks", type=int, default=40)
-    parser.add_argument("--quick", action="store_true", help="6 walks a case (what the tests run)")
-    args = parser.parse_args()
-    walks = 6 if args.quick else args.walks
+def measure(walks: int) -> dict:
+    """Every figure, for the calculator's and the support desk's tools, on each tokenizer."""
     tool_sets = {"calculator": CalculatorEnv().tools(), "support": make_env().tools()}
     out: dict = {"library": "llguidance", "walks": walks}
     for name, tokenizer in {"smol": None, **tokenizers()}.items():
@@ -93,7 +89,15 @@ def main() -> None:
             out[f"{name}_cached_us"][env] = round((time.perf_counter() - started) * 1e6, 1)
             out[f"{name}_masked_us_per_token"][env] = per_token_us(tokenizer, tools, "required", walks, rng)
             out[f"{name}_free_us_per_token"][env] = per_token_us(tokenizer, tools, "auto", walks, rng)
-    print(json.dumps(out))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="6 walks a case (what the tests run)")
+    parser.add_argument("--walks", type=int, default=40)
+    args = parser.parse_args()
+    print(json.dumps(measure(walks=6 if args.quick else args.walks)))
 
 
 if __name__ == "__main__":
