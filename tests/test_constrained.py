@@ -288,3 +288,27 @@ def test_the_harness_sets_constrained_on_every_turn_whatever_the_caller_passed(t
     # the rest of the caller's sampling is kept as it was
     assert {(s.temperature, s.seed, s.tool_choice) for s in policy.seen} == {(0.5, 7, "required")}
     assert Harness(harness.env).limits.constrained is False  # a harness built without a section: the default
+
+
+def _follows(row, tokenizer, text: str) -> bool:
+    """Whether the row's masks allow `text`, token by token (accepting it as far as they do)."""
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        mask = row.allowed()
+        if mask is not None and not mask[token]:
+            return False
+        row.accept(token)
+    return True
+
+
+def test_declared_parameters_only_and_an_object_without_properties_takes_any(tiny_tokenizer):
+    calculator = CalculatorEnv().tools()
+    free = [{"type": "function", "function": {"name": "free", "parameters": {"type": "object"}}}]
+    call = '<tool_call>{"name": "%s", "arguments": %s}</tool_call>'
+
+    def rows(tools):
+        return row_constraints(tiny_tokenizer, tools, "required", 1, len(tiny_tokenizer))[0]
+
+    assert _follows(rows(calculator), tiny_tokenizer, call % ("calculator", '{"expression": "1 + 2"}'))
+    assert not _follows(rows(calculator), tiny_tokenizer, call % ("calculator", '{"expression": "1", "x": 2}'))
+    assert not _follows(rows(calculator), tiny_tokenizer, call % ("calculator", '{"expression":"1"}'))  # spacing
+    assert _follows(rows(free), tiny_tokenizer, call % ("free", '{"a": 1, "b": ["x", null]}'))

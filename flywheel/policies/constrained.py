@@ -212,7 +212,8 @@ def _call_schema(fn: dict) -> dict:
     """The JSON schema of one call of `fn`, name first; arguments by its schema, or any object if that fails."""
     name = fn.get("name", "")
     arguments = _strict(fn.get("parameters") or {"type": "object", "properties": {}})
-    arguments.setdefault("additionalProperties", False)  # tools take their declared parameters only
+    if "properties" in arguments:
+        arguments.setdefault("additionalProperties", False)  # tools take their declared parameters only
     schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
               "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_FORMAT}
     problem = _compile_problem(schema)
