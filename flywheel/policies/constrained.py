@@ -46,7 +46,8 @@ CACHE_SIZE = 64  # compiled grammars kept (tokenizer x tools x tool_choice); eve
 
 
 class ConstraintError(UserFacingError, ValueError):
-    """A tool_choice the offered tools cannot satisfy, or a token sampled outside the mask it was given."""
+    """A tool_choice the offered tools cannot satisfy (or that is not a tool_choice), or a tokenizer that is not a
+    fast one."""
 
 
 def row_constraints(tokenizer, tools: list[dict] | None, tool_choice: str | dict, n_rows: int,
@@ -93,7 +94,7 @@ class RowConstraint:
             return
         if not self._masked:
             return  # a special token in free text: it opens nothing, the grammar passes over it
-        raise ConstraintError(f"token {token_id} was sampled where the tool-call mask forbids it: apply "
+        raise ValueError(f"token {token_id} was sampled where the tool-call mask forbids it: apply "
                               f"allowed() to the logits before sampling ({self._matcher.get_error() or 'no error'})")
 
     @property
