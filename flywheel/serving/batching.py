@@ -5,6 +5,8 @@ that can share its call (the same tools and sampling settings: Prepared.batch_ke
 each), and answers them with one ChatEngine.answer_many. Requests that arrive while a call runs wait for the next
 one, so under load every call is as full as the queue allows; when the model is idle, the first request waits at
 most `window_s` for company (0: not at all). The oldest request always goes next: none waits behind later ones.
+The max tokens must be equal too: a request without max_tokens gets the context's room up to 1,024, so on a model
+with a short context it shares a call only with prompts that leave it as much room.
 
 A seeded request runs alone (its answer must not depend on what else is in flight). Errors stay per request: a
 request the engine refuses (a 422) fails alone, and when a shared call raises, each of its requests is answered
