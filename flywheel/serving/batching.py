@@ -10,8 +10,8 @@ with a short context it shares a call only with prompts that leave it as much ro
 
 A seeded request runs alone (its answer must not depend on what else is in flight). Errors stay per request: a
 request the engine refuses (a 422) fails alone, and when a shared call raises, each of its requests is answered
-again alone, so only the one that breaks generation gets the error. The worker ends when the queue is empty: an
-old version swapped out keeps no thread (nor its model) alive once its last request is answered.
+again alone, so only the one that breaks generation gets the error. The worker ends when the queue has been empty
+for IDLE_S: an old version swapped out keeps no thread (nor its model) alive once its last request is answered.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from flywheel.serving.chat import ChatEngine, ChatRequest, Prepared
 
 MAX_BATCH = 16  # rows per generate call (requests times their n); a request with more rows runs alone
 WINDOW_S = 0.005  # how long an idle model waits for more requests before it starts on the first
+# How long the worker outlives an empty queue: steady traffic reuses one thread (and torch's thread pool for it)
+IDLE_S = 2.0
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Batcher:
     def _work(self) -> None:
         while True:
             with self._ready:
+                if not self._queue:
+                    self._ready.wait(IDLE_S)
                 if not self._queue:
                     self._working = False
                     return
