@@ -49,10 +49,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
-def served_student(state: Path, smol: bool, quick: bool, trained_steps: int = 0):
+def served_student(state: Path, smol: bool, small: bool, trained_steps: int = 0):
     """(checkpoint folder, environment, pipeline config) of the student to serve, registered as 'bench'@champion
-    in the MLflow store under `state` (MLFLOW_TRACKING_URI must point there). The tiny student is given
-    `trained_steps` SFT steps on the oracle's conversations (0: random weights)."""
+    in the MLflow store under `state` (MLFLOW_TRACKING_URI must point there). The tiny student (the demo's, or
+    a smaller one: `small`) is given `trained_steps` SFT steps on the oracle's conversations (0: random weights)."""
     from flywheel import registry
     from flywheel.config import SFTConfig, TinyModelConfig, load_pipeline
     from flywheel.envs import load_environment
@@ -71,7 +71,7 @@ def served_student(state: Path, smol: bool, quick: bool, trained_steps: int = 0)
     else:
         from flywheel.train.tiny import build_tiny_student, environment_corpus
 
-        tiny = TinyModelConfig(hidden_size=64, layers=2, heads=4, vocab_size=400, seed=0) if quick \
+        tiny = TinyModelConfig(hidden_size=64, layers=2, heads=4, vocab_size=400, seed=0) if small \
             else cfg.student.tiny
         student = build_tiny_student(environment_corpus(env, n=300, seed=0), tiny, state / "student")
         if trained_steps:

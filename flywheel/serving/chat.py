@@ -223,6 +223,7 @@ class ChatEngine:
     def __init__(self, policy: Policy, tokenizer, context_length: int, constrained: bool = False):
         self.policy, self.tokenizer, self.context_length = policy, tokenizer, context_length
         self.constrained = constrained
+        self.resampled = 0  # choices sampled again because they broke tool_choice (see answer_many)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path, backend: str = "hf", device: str = "auto",
@@ -286,6 +287,7 @@ class ChatEngine:
             again = [i for i, c in enumerate(completions) if _breaks_tool_choice(c, batch[owners[i]].request)]
             if not again:
                 break
+            self.resampled += len(again)
             seed = None if first.sampling.seed is None else first.sampling.seed + RESAMPLE_SEED_STEP * attempt
             redone = self.policy.generate([conversations[i] for i in again], first.request.tools,
                                           replace(first.sampling, seed=seed))

@@ -203,7 +203,7 @@ def create_app(follower: AliasFollower, traffic: TrafficLog | None, traced: Mlfl
         return {"status": "ok", "model": follower.name, "alias": follower.alias, "version": loaded.version.version,
                 "model_hash": loaded.version.model_hash, "backend": follower.backend, "swaps": follower.swaps,
                 "constrained_tools": follower.constrained, "generate_calls": loaded.batcher.calls,
-                "answered": loaded.batcher.answered,
+                "answered": loaded.batcher.answered, "resampled": loaded.engine.resampled,
                 "last_error": follower.last_error,
                 "recorded": traffic.recorded if traffic else 0, "labelled": traffic.labelled if traffic else 0,
                 "mlflow_traces": traced.recorded if traced else 0}
