@@ -118,10 +118,9 @@ def main() -> None:
               "requests": requests, "temperature": 1.0, "max_tokens": max_tokens, "constrained": constrained,
               **{key: counts[key] for key in keys}, "resampled": health["resampled"],
               "generate_calls": health["generate_calls"], "wall_s": round(wall_s, 1)}
-    print(f"{requests} requests (constrained: {constrained}): {counts['markup_in_content']} with markup in "
-          f"content, {counts['malformed_finish']} malformed calls cut, {counts['invalid_calls']} invalid calls; "
-          f"required/named met {counts['required_met']}/{counts['required_requests']} "
-          f"({counts['required_refused']} refused); {health['resampled']} choices resampled")
+    summary = ", ".join(f"{key} {counts[key]}" for key in keys)
+    print(f"{requests} requests at temperature 1, constrained {constrained}: {summary}; resampled "
+          f"{health['resampled']}")
     print(json.dumps(result))
 
 

@@ -29,19 +29,9 @@ WAIT_S = 120  # every request's deadline
 
 
 @pytest.fixture(scope="module")
-def server(tiny_student, tmp_path_factory):
-    from flywheel import registry
-    from flywheel.serving.server import ModelServer
-
-    root = tmp_path_factory.mktemp("batched")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-        run = registry.start_run(root, NAME, "register")
-        registry.register(run, NAME, tiny_student, "tiny", {}, [])
-        run.end()
-        registry.client().set_registered_model_alias(NAME, "champion", "1")
-        with ModelServer(NAME, traces=root / "served", poll_s=600, device="cpu", max_batch=8) as running:
-            yield running
+def server(serve_tiny):
+    with serve_tiny(NAME, max_batch=8) as running:
+        yield running
 
 
 class Counted:
