@@ -3,8 +3,12 @@
 A request waits in a queue; one worker thread per loaded model takes the oldest, gathers every waiting request
 that can share its call (the same tools and sampling settings: Prepared.batch_key) up to `max_batch` rows (n
 each), and answers them with one ChatEngine.answer_many. Requests that arrive while a call runs wait for the next
-one, so under load every call is as full as the queue allows; when the model is idle, the first request waits at
-most `window_s` for company (0: not at all). The oldest request always goes next: none waits behind later ones.
+one, so under load every call is as full as the queue allows. Before a call the model waits `window_s` (0: not at
+all) from when the first request arrived or the last call ended, whichever is later, unless max_batch rows are
+waiting: the clients a call has just answered send their next requests then, and without the wait the one
+request already waiting would go alone, and the rest wait a whole call for the next. A lone client pays the window
+on every request: the latency batching adds, bounded by `window_s`. The oldest request always goes next: none waits
+behind later ones.
 The max tokens must be equal too: a request without max_tokens gets the context's room up to 1,024, so on a model
 with a short context it shares a call only with prompts that leave it as much room.
 
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 from flywheel.serving.chat import ChatEngine, ChatRequest, Prepared
 
 MAX_BATCH = 16  # rows per generate call (requests times their n); a request with more rows runs alone
-WINDOW_S = 0.005  # how long an idle model waits for more requests before it starts on the first
+WINDOW_S = 0.01  # how long a free model waits for more requests before it starts on the first waiting
 # How long the worker outlives an empty queue: steady traffic reuses one thread (and torch's thread pool for it)
 IDLE_S = 2.0
 
@@ -48,6 +52,7 @@ class Batcher:
         self._queue: list[_Waiting] = []
         self._ready = threading.Condition()
         self._working = False
+        self._free_since = 0.0  # when the last call ended
         self.calls = 0  # shared generate calls made (resamples not counted)
         self.answered = 0
 
@@ -75,6 +80,7 @@ class Batcher:
                     return
                 batch = self._gather()
             self._run(batch)
+            self._free_since = time.monotonic()
 
     def _gather(self) -> list[_Waiting]:
         """The oldest request and those that can share its call, after waiting out its window (lock held)."""
@@ -82,7 +88,7 @@ class Batcher:
         key = first.prepared.batch_key()
         while key is not None:
             rows = sum(w.prepared.rows for w in self._queue if w.prepared.batch_key() == key)
-            left = first.arrived + self.window_s - time.monotonic()
+            left = max(first.arrived, self._free_since) + self.window_s - time.monotonic()
             if rows >= self.max_batch or left <= 0:
                 break
             self._ready.wait(left)
