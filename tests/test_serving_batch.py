@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -197,3 +198,15 @@ def test_a_sampled_call_that_does_not_parse_is_sampled_again_and_never_returned_
     got = OpenAIPolicy(model=NAME, base_url=server.url, max_retries=0).generate(
         [[{"role": "user", "content": "never"}]], CALCULATOR, Sampling(temperature=0.0))[0]
     assert got.error and "did not parse" in got.error and "<tool_call>" not in got.message["content"]
+
+
+def test_the_constraint_switch_is_the_served_pipelines_and_off_for_a_model_no_pipeline_names(tmp_path):
+    from flywheel.config import load_pipeline
+    from flywheel.serving.server import constrained_tools
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("demo", "support-smol"):
+        expected = bool(getattr(load_pipeline(name, root / "pipelines.yaml").environment, "constrained_tools", False))
+        assert constrained_tools(root, name) is expected
+    assert constrained_tools(root, "no-such-pipeline") is False
+    assert constrained_tools(tmp_path, "demo") is False  # no pipelines.yaml there
