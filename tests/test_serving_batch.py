@@ -76,15 +76,16 @@ class Writes:
 def engine(server):
     """The served engine, its policy and batcher settings restored after the test."""
     loaded = server.follower.current
-    kept = loaded.engine.policy, loaded.engine.constrained, loaded.batcher.window_s, loaded.batcher.max_batch
+    batcher = loaded.batcher
+    kept = loaded.engine.policy, loaded.engine.constrained, batcher.window_s, batcher.window_share, batcher.max_batch
     yield loaded.engine
-    loaded.engine.policy, loaded.engine.constrained, loaded.batcher.window_s, loaded.batcher.max_batch = kept
+    loaded.engine.policy, loaded.engine.constrained, batcher.window_s, batcher.window_share, batcher.max_batch = kept
 
 
 def _gather(server, requests: int) -> None:
     """From now on the first request waits (up to WAIT_S) until `requests` rows are waiting: one call for all."""
-    server.follower.current.batcher.window_s = WAIT_S
-    server.follower.current.batcher.max_batch = requests
+    batcher = server.follower.current.batcher
+    batcher.window_s, batcher.window_share, batcher.max_batch = WAIT_S, None, requests
 
 
 def _ask(server, **body) -> httpx.Response:
@@ -124,7 +125,8 @@ def test_concurrent_requests_share_one_generate_and_each_gets_its_own_answer(ser
 
 def test_requests_that_cannot_share_a_call_and_seeded_ones_run_apart(server, engine):
     engine.policy = counted = Counted(engine.policy)
-    server.follower.current.batcher.window_s = 2.0
+    batcher = server.follower.current.batcher
+    batcher.window_s, batcher.window_share = 2.0, None
     question = _question(0)
     bodies = [{"messages": question, "temperature": 1.0, "max_tokens": 4, "seed": 1},
               {"messages": question, "temperature": 1.0, "max_tokens": 4, "seed": 1},

@@ -139,8 +139,8 @@ def serve_model(pipeline: str = typer.Argument(..., help="Pipeline name (the reg
                 max_batch: int = typer.Option(MAX_BATCH, "--max-batch", min=1, help="Rows (requests times their n) "
                                               "that concurrent requests may share in one generate call."),
                 batch_window_ms: float = typer.Option(WINDOW_S * 1000, "--batch-window-ms", min=0.0,
-                                                      help="How long the model waits for more requests before "
-                                                      "a call (after the first arrived or the last call ended)."),
+                                                      help="The longest the model waits for more requests before "
+                                                      "a call (and at most 5% of its last call's time)."),
                 root: Path = ROOT) -> None:
     """Serve the version behind an alias over the OpenAI protocol; its answers become traces collect reads."""
     from flywheel.config import ConfigError

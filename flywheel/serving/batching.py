@@ -3,11 +3,12 @@
 A request waits in a queue; one worker thread per loaded model takes the oldest, gathers every waiting request
 that can share its call (the same tools and sampling settings: Prepared.batch_key) up to `max_batch` rows (n
 each), and answers them with one ChatEngine.answer_many. Requests that arrive while a call runs wait for the next
-one, so under load every call is as full as the queue allows. Before a call the model waits `window_s` (0: not at
-all) from when the first request arrived or the last call ended, whichever is later, unless max_batch rows are
-waiting: the clients a call has just answered send their next requests then, and without the wait the one
-request already waiting would go alone, and the rest wait a whole call for the next. A lone client pays the window
-on every request: the latency batching adds, bounded by `window_s`. The oldest request always goes next: none waits
+one, so under load every call is as full as the queue allows. Before a call the model waits a window from when
+the first request arrived or the last call ended, whichever is later, unless max_batch rows are waiting: the
+clients a call has just answered send their next requests then, and without the wait the one request already
+waiting would go alone, and the rest wait a whole call for the next. The window is `window_share` of the last
+call's time, at most `window_s` (5% and 100 ms: a few ms for a tiny model, 100 ms where a call takes seconds), so
+what it adds to a lone client's latency is bounded both ways. The oldest request always goes next: none waits
 behind later ones.
 The max tokens must be equal too: a request without max_tokens gets the context's room up to 1,024, so on a model
 with a short context it shares a call only with prompts that leave it as much room.
@@ -27,7 +28,8 @@ from dataclasses import dataclass, field
 from flywheel.serving.chat import ChatEngine, ChatRequest, Prepared
 
 MAX_BATCH = 16  # rows per generate call (requests times their n); a request with more rows runs alone
-WINDOW_S = 0.01  # how long a free model waits for more requests before it starts on the first waiting
+WINDOW_S = 0.1  # the longest a free model waits for more requests before it starts on the first waiting
+WINDOW_SHARE = 0.05  # ... and at most this share of its last call's time, so the wait costs at most 5%
 # How long the worker outlives an empty queue: steady traffic reuses one thread (and torch's thread pool for it)
 IDLE_S = 2.0
 
@@ -45,10 +47,14 @@ class _Waiting:
 class Batcher:
     """The queue and worker of one loaded model; `answer` blocks until the request's own answer is ready."""
 
-    def __init__(self, engine: ChatEngine, max_batch: int = MAX_BATCH, window_s: float = WINDOW_S):
+    def __init__(self, engine: ChatEngine, max_batch: int = MAX_BATCH, window_s: float = WINDOW_S,
+                 window_share: float | None = WINDOW_SHARE):
+        """window_share None: always wait window_s (what a test that must gather a batch wants)."""
         if max_batch < 1 or window_s < 0:
             raise ValueError(f"max_batch must be >= 1 and window_s >= 0 (given {max_batch}, {window_s})")
         self.engine, self.max_batch, self.window_s = engine, max_batch, window_s
+        self.window_share = window_share
+        self._last_call_s = 0.0  # how long the last call took
         self._queue: list[_Waiting] = []
         self._ready = threading.Condition()
         self._working = False
@@ -79,8 +85,10 @@ class Batcher:
                     self._working = False
                     return
                 batch = self._gather()
+            started = time.monotonic()
             self._run(batch)
             self._free_since = time.monotonic()
+            self._last_call_s = self._free_since - started
 
     def _gather(self) -> list[_Waiting]:
         """The oldest request and those that can share its call, after waiting out its window (lock held)."""
@@ -88,7 +96,9 @@ class Batcher:
         key = first.prepared.batch_key()
         while key is not None:
             rows = sum(w.prepared.rows for w in self._queue if w.prepared.batch_key() == key)
-            left = max(first.arrived, self._free_since) + self.window_s - time.monotonic()
+            window = self.window_s if self.window_share is None else \
+                min(self.window_s, self.window_share * self._last_call_s)
+            left = max(first.arrived, self._free_since) + window - time.monotonic()
             if rows >= self.max_batch or left <= 0:
                 break
             self._ready.wait(left)
