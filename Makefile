@@ -55,6 +55,8 @@ bench: $(SMOL_STAMP)
 	$(BIN)/python benchmarks/rl_async.py
 	$(BIN)/python benchmarks/demo_student.py
 	$(BIN)/python benchmarks/serve.py
+	$(BIN)/python benchmarks/serve.py --smol
+	$(BIN)/python benchmarks/served_calls.py
 	$(BIN)/python benchmarks/smol.py
 	$(BIN)/python benchmarks/rl_gain.py
 	$(BIN)/python benchmarks/opd.py

@@ -107,6 +107,30 @@ def tiny_student(tmp_path_factory) -> Path:
     return build_tiny_student(corpus, cfg, tmp_path_factory.mktemp("tiny-student"))
 
 
+@pytest.fixture(scope="session")
+def serve_tiny(tiny_student, tmp_path_factory):
+    """serve_tiny(name, **server options): a context manager running `serve-model` on `name`@champion, version 1
+    being the tiny random student, in an MLflow store of its own (MLFLOW_TRACKING_URI set while it runs)."""
+    from contextlib import contextmanager
+
+    from flywheel import registry
+    from flywheel.serving.server import ModelServer
+
+    @contextmanager
+    def serving(name: str, **options):
+        root = tmp_path_factory.mktemp(name)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+            run = registry.start_run(root, name, "register")
+            registry.register(run, name, tiny_student, "tiny", {}, [])
+            run.end()
+            registry.client().set_registered_model_alias(name, "champion", "1")
+            with ModelServer(name, traces=root / "served", poll_s=600, device="cpu", **options) as running:
+                yield running
+
+    return serving
+
+
 @pytest.fixture
 def openai_server():
     """A real OpenAI-compatible HTTP server (the calculator oracle) on a free port, with fault injection."""

@@ -27,20 +27,10 @@ QUESTION = [{"role": "user", "content": "76 - 70 = ?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_student, tmp_path_factory):
+def server(serve_tiny):
     """`serve-model` following 'contract'@champion, version 1 being the tiny random student."""
-    from flywheel import registry
-    from flywheel.serving.server import ModelServer
-
-    root = tmp_path_factory.mktemp("contract")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-        run = registry.start_run(root, NAME, "register")
-        registry.register(run, NAME, tiny_student, "tiny", {}, [])
-        run.end()
-        registry.client().set_registered_model_alias(NAME, "champion", "1")
-        with ModelServer(NAME, traces=root / "served", poll_s=600, device="cpu") as running:
-            yield running
+    with serve_tiny(NAME) as running:
+        yield running
 
 
 @pytest.fixture

@@ -147,6 +147,28 @@ def test_cache_replays_without_calls_and_keeps_samples_apart(openai_server, tmp_
     assert [c.latency_s for e in again for c in e.completions] == [c.latency_s for e in first for c in e.completions]
 
 
+def test_tool_choice_goes_to_the_endpoint_and_answers_cached_before_it_existed_are_found(openai_server, tmp_path):
+    import dataclasses
+
+    from flywheel.policies.cache import request_key
+
+    conversation, tools = tasks(1)[0].prompt, ENV.tools()
+    cache = ResponseCache(tmp_path / "cache.sqlite")
+    # an answer cached by a version whose Sampling had neither tool_choice nor constrained
+    before = {k: v for k, v in dataclasses.asdict(Sampling()).items() if k not in ("tool_choice", "constrained")}
+    record = {"response": {"choices": [{"message": {"role": "assistant", "content": "from the cache"}}]},
+              "latency_s": 0.0}
+    cache.put(request_key("oracle", conversation, tools, before, 0), "oracle", record)
+    cached = policy(openai_server, cache=cache)
+    for sampling in (Sampling(), Sampling(constrained=True)):  # the switch is this side's: the same answer
+        assert cached.generate([conversation], tools, sampling)[0].message["content"] == "from the cache"
+    assert openai_server.received == []
+    named = {"type": "function", "function": {"name": "calculator"}}
+    cached.generate([conversation], tools, Sampling(tool_choice=named))  # another request: sent, with its choice
+    cached.generate([conversation], [], Sampling(tool_choice="none"))  # no tools: no tool_choice either
+    assert [body.get("tool_choice") for body in openai_server.received] == [named, None]
+
+
 def test_an_endpoint_that_dies_half_way_loses_nothing_and_resends_nothing(openai_server, tmp_path):
     cache = tmp_path / "cache.sqlite"
     openai_server.down_after = 10  # then every request has its connection dropped

@@ -185,6 +185,56 @@ def test_the_alias_moving_switches_the_served_version_without_a_restart(server):
     assert server.follower.swaps == 2
 
 
+def test_promotion_and_rollback_under_concurrent_load_never_fail_a_request(server):
+    """Clients keep asking while the alias moves to version 2 and back: every request is answered (by the version
+    it started with), batched or not, and the swapped-out version's batch worker ends with its last answer."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flywheel import registry
+
+    stop, answered = threading.Event(), []
+
+    def keep_asking(i: int) -> list[int]:
+        statuses = []
+        while not stop.is_set():
+            reply = httpx.post(server.url + "/chat/completions", json={
+                "model": NAME, "messages": _prompt(i), "temperature": 0.0, "max_tokens": 6}, timeout=60)
+            statuses.append(reply.status_code)
+            answered.append(reply.json().get("system_fingerprint"))
+        return statuses
+
+    def wait_for(version: str) -> None:
+        deadline = time.monotonic() + 60
+        while server.follower.current.version.version != version:
+            assert time.monotonic() < deadline, f"the server never moved to version {version}"
+            time.sleep(0.1)
+        seen = len(answered)
+        while len(answered) < seen + 4:  # a few answers on this version while the clients keep asking
+            assert time.monotonic() < deadline, f"no answers on version {version}"
+            time.sleep(0.1)
+
+    with ThreadPoolExecutor(max_workers=4) as clients:
+        running = [clients.submit(keep_asking, i) for i in range(4)]
+        try:
+            old = server.follower.current
+            registry.client().set_registered_model_alias(NAME, "champion", "2")
+            server.reload()
+            wait_for("2")
+            registry.client().set_registered_model_alias(NAME, "champion", "1")
+            server.reload()
+            wait_for("1")
+        finally:
+            stop.set()
+        statuses = [s for future in running for s in future.result(timeout=120)]
+    assert statuses and set(statuses) == {200}
+    assert {f"{NAME}-v1", f"{NAME}-v2"} <= set(answered)
+    deadline = time.monotonic() + 30
+    while old.batcher._working:  # no request left on the old load: its worker thread is gone
+        assert time.monotonic() < deadline, "the swapped-out version's batch worker never ended"
+        time.sleep(0.1)
+
+
 def test_no_version_behind_the_alias_refuses_to_start(uri):
     from flywheel.serving.server import ModelServer, ServeError
 

@@ -11,6 +11,7 @@ from flywheel.cli.app import ROOT, TRACES, app, fail, stack_app
 from flywheel.cli.errors import reported
 from flywheel.cli.preflight import checked_root
 from flywheel.cli.render import print_reconciled
+from flywheel.serving.batching import MAX_BATCH, WINDOW_S
 
 RESULTS = typer.Option(None, "--results", envvar="FLYWHEEL_RESULTS_URL",
                        help="Keep Prefect results (the stage caches) here, e.g. s3://bucket/prefect-results.")
@@ -135,16 +136,23 @@ def serve_model(pipeline: str = typer.Argument(..., help="Pipeline name (the reg
                 mlflow_experiment: str | None = typer.Option(None, "--mlflow-experiment", help="With "
                                                              "--mlflow-traces: the experiment (default: "
                                                              "<pipeline>-served)."),
+                max_batch: int = typer.Option(MAX_BATCH, "--max-batch", min=1, help="Rows (requests times their n) "
+                                              "that concurrent requests may share in one generate call."),
+                batch_window_ms: float = typer.Option(WINDOW_S * 1000, "--batch-window-ms", min=0.0,
+                                                      help="The longest the model waits for more requests before "
+                                                      "a call (and at most 5% of its last call's time)."),
                 root: Path = ROOT) -> None:
     """Serve the version behind an alias over the OpenAI protocol; its answers become traces collect reads."""
+    from flywheel.config import ConfigError
     from flywheel.serving.server import ServeError, serve, traces_folder
 
     root = checked_root(root)
     folder = (traces or traces_folder(root, pipeline)) if record else None
     experiment = (mlflow_experiment or f"{pipeline}-served") if mlflow_traces else None
     try:
-        serve(pipeline, alias, host, port, folder, poll_s, backend, device, experiment, root)
-    except ServeError as err:
+        serve(pipeline, alias, host, port, folder, poll_s, backend, device, experiment, root, max_batch,
+              batch_window_ms / 1000)
+    except (ServeError, ConfigError) as err:
         fail(str(err))
 
 

@@ -12,7 +12,8 @@ from flywheel.policies.base import Completion, Sampling
 
 
 class NullPolicy:
-    """Answers every conversation with an empty assistant message; no model, no tokens, no cost."""
+    """Answers every conversation with an empty assistant message; no model, no tokens, no cost. Sampling,
+    tool_choice and constrained included, does not apply: it never calls a tool, so never a malformed call."""
 
     name = "null"
 

@@ -30,7 +30,7 @@ import orjson
 from flywheel.errors import UserFacingError
 from flywheel.policies.base import Completion, Sampling
 from flywheel.policies.cache import ResponseCache, request_key, sample_indexes
-from flywheel.policies.toolcalls import parse_completion, render_tool_call
+from flywheel.policies.toolcalls import MALFORMED_CALL, parse_completion, render_tool_call
 
 if TYPE_CHECKING:
     from flywheel.config import EndpointConfig
@@ -46,7 +46,11 @@ class TeacherError(UserFacingError, RuntimeError):
 
 
 class OpenAIPolicy:
-    """Assistant turns from a chat.completions endpoint; tool calls from `tool_calls` or `<tool_call>` text."""
+    """Assistant turns from a chat.completions endpoint; tool calls from `tool_calls` or `<tool_call>` text.
+
+    Sampling.tool_choice goes to the endpoint as `tool_choice` (with tools; "auto" is its default and not sent):
+    the endpoint holds its answers to it (vLLM's server and `flywheel serve-model` constrain or check them).
+    Sampling.constrained is not sent: no endpoint takes it."""
 
     name = "openai"
 
@@ -96,7 +100,7 @@ class OpenAIPolicy:
         samples = list(samples) if samples is not None else sample_indexes(conversations)
         if len(samples) != len(conversations):
             raise ValueError(f"{len(samples)} sample indexes for {len(conversations)} conversations")
-        sampling_fields = asdict(sampling)
+        sampling_fields = _keyed(sampling)
         bodies: dict[str, dict] = {}
         keys = []
         for conversation, sample in zip(conversations, samples, strict=True):
@@ -127,6 +131,8 @@ class OpenAIPolicy:
                 "max_completion_tokens": sampling.max_new_tokens}
         if tools:
             body["tools"] = tools
+            if sampling.tool_choice != "auto":  # the endpoint's default; OpenAI refuses a tool_choice without tools
+                body["tool_choice"] = sampling.tool_choice
         if sampling.seed is not None:
             # n samples of one prompt must not share a seed: a seeded server would return n equal answers
             body["seed"] = sampling.seed + sample
@@ -267,10 +273,25 @@ def completion_from_record(record: dict) -> Completion:
     content = message.get("content") or ""
     calls = message.get("tool_calls") or []
     completion = _with_api_calls(content, calls) if calls else parse_completion(content)
+    reason = (response.get("choices") or [{}])[0].get("finish_reason")
+    if reason == MALFORMED_CALL and not completion.error:  # `flywheel serve-model` cut a call that did not parse
+        completion.error = "the model's tool call did not parse (the server answered finish_reason " \
+                           f"{MALFORMED_CALL!r} and cut it from the content)"
     usage = response.get("usage") or {}
     completion.usage = {k: int(usage.get(k) or 0) for k in ("prompt_tokens", "completion_tokens")}
     completion.latency_s = float(record.get("latency_s", 0.0))
     return completion
+
+
+def _keyed(sampling: Sampling) -> dict:
+    """The sampling settings a cached answer is keyed by: `constrained` is this side's switch, not the endpoint's
+    (the endpoint constrains by tool_choice, or not at all), and tool_choice counts only when it is not the
+    default, so answers cached before either existed are still found."""
+    fields = asdict(sampling)
+    del fields["constrained"]
+    if fields["tool_choice"] == "auto":
+        del fields["tool_choice"]
+    return fields
 
 
 def _with_api_calls(content: str, calls: list[dict]) -> Completion:

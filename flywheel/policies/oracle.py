@@ -28,7 +28,8 @@ def wrong_answer(content: str) -> str:
 
 
 class OraclePolicy:
-    """Answers every conversation with env.solve; deterministic, so sampling settings do not apply.
+    """Answers every conversation with env.solve; deterministic, so sampling settings do not apply (tool_choice
+    and constrained neither: its calls are the environment's own, well formed by construction).
 
     error_rate: the share of final answers (turns without tool calls) made wrong, in the tasks of
     `error_slices` (every task when empty), chosen by a hash of (error_seed, the conversation, its repeat).

@@ -8,6 +8,9 @@ import re
 from flywheel.policies.base import Completion
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# The finish_reason of a served choice whose tool call did not parse (Gemini's MALFORMED_FUNCTION_CALL): the server
+# cuts the call from the content and says so here; the openai policy reads it back as the completion's error.
+MALFORMED_CALL = "malformed_function_call"
 
 
 def parse_completion(text: str, turn_id: str = "call") -> Completion:

@@ -16,7 +16,12 @@ from flywheel.policies.toolcalls import parse_completion
 
 
 class VLLMPolicy:
-    """Batched chat generation with vllm.LLM; tool calls parsed from `<tool_call>` text like the hf policy."""
+    """Batched chat generation with vllm.LLM; tool calls parsed from `<tool_call>` text like the hf policy.
+
+    Not constrained: Sampling.tool_choice and Sampling.constrained are accepted and not applied here (vLLM's
+    structured outputs take a JSON schema or grammar for the whole answer, and its names changed across the
+    versions this project allows; untested without a GPU). What it writes is held to tool_choice after the fact:
+    by the server (resampled, or a 422, see flywheel/serving/chat.py) and by the harness (an error turn)."""
 
     name = "vllm"
 

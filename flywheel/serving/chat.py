@@ -4,28 +4,40 @@ The pyfunc model (mlflow_model.py) and the HTTP server (server.py) both answer t
 registered model and the served one give the same answer to the same request. Tool calls come out of the
 policy already parsed by the harness's one parser (flywheel/policies/toolcalls.py).
 
-Generation is not constrained; `tool_choice` is applied to what the model wrote. "none" (and a request without
-tools) never answers with tool calls: the tools are left out of the prompt and any `<tool_call>` text the model
-still writes is cut from the content. "required" and a named function need a (matching) call in every choice,
-or the request fails with a 422 `tool_choice_not_met`: a greedy retry would write the same text, so the server
-does not retry, and the client decides (sample, or ask with "auto").
+`tool_choice` ("auto", "none", "required" or a named function) goes to the policy in Sampling.tool_choice, and
+the served pipeline's `environment.constrained_tools` in Sampling.constrained: a policy that constrains (hf) then
+writes only calls that parse, one where one is required, none under "none". The server holds every answer to
+tool_choice either way, for a policy that does not constrain (the switch off, vLLM):
+- "none" (and a request without tools) never answers with tool calls: the tools are left out of the prompt and
+  any `<tool_call>` text the model still writes is cut from the content.
+- A sampled choice (temperature > 0) whose call does not parse, or with no (matching) call where one is required,
+  is sampled again, at most MAX_RESAMPLES times. A greedy one is not: it would write the same text.
+- "required" and a named function still unmet: the request fails with a 422 `tool_choice_not_met`; the client
+  decides (sample, or ask with "auto").
+- A call that still does not parse is never returned as markup in `content`: it is cut out (the text before it
+  stays) and the choice's finish_reason is `malformed_function_call` (Gemini's name for the same event), so a
+  client can tell it from an answer ("length" when the call was cut by max_tokens).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from flywheel.policies.base import Policy, Sampling
+from flywheel.policies.toolcalls import MALFORMED_CALL
 
 MAX_N = 16
 MAX_DEFAULT_TOKENS = 1024  # when a request gives no max_tokens: the rest of the context, up to this
 MAX_STOP = 4  # stop sequences per request, as OpenAI allows
 CALL_TEXT = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)  # closed or not: cut under "none"
+MAX_RESAMPLES = 2  # sampled choices that break tool_choice are sampled again at most this many times
+RESAMPLE_SEED_STEP = 7919  # a seeded request's resamples use seed + step * attempt: reproducible, not repeated
 
 
 class RequestError(ValueError):
@@ -182,23 +194,51 @@ def input_example(env) -> dict:
     return {"messages": list(task.prompt), "tools": env.tools(), "temperature": 0.0, "max_tokens": 64}
 
 
-class ChatEngine:
-    """A policy (hf or vllm) with its tokenizer and context length, answering checked requests."""
+@dataclass(frozen=True)
+class Prepared:
+    """A checked request with what its generate needs: the prompt's length and the sampling settings."""
 
-    def __init__(self, policy: Policy, tokenizer, context_length: int):
+    request: ChatRequest
+    prompt_tokens: int
+    sampling: Sampling
+
+    @property
+    def rows(self) -> int:
+        return self.request.n
+
+    def batch_key(self) -> str | None:
+        """What must be equal for requests to share one generate call (tools and every sampling setting); None
+        for a seeded request, which runs alone: its answer must not depend on what else is in flight."""
+        if self.request.seed is not None:
+            return None
+        return json.dumps([self.request.tools, asdict(self.sampling)], sort_keys=True)
+
+
+class ChatEngine:
+    """A policy (hf or vllm) with its tokenizer and context length, answering checked requests.
+
+    constrained: the served pipeline's `environment.constrained_tools`, passed to the policy as
+    Sampling.constrained (a policy that can constrain its tool calls then does)."""
+
+    def __init__(self, policy: Policy, tokenizer, context_length: int, constrained: bool = False):
         self.policy, self.tokenizer, self.context_length = policy, tokenizer, context_length
+        self.constrained = constrained
+        self.resampled = 0  # choices sampled again because they broke tool_choice (see answer_many)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: str | Path, backend: str = "hf", device: str = "auto") -> ChatEngine:
+    def from_checkpoint(cls, checkpoint: str | Path, backend: str = "hf", device: str = "auto",
+                        constrained: bool = False) -> ChatEngine:
         """Load a student checkpoint folder with transformers (hf) or an in-process vLLM engine (vllm, GPU)."""
         from flywheel.policies import get_policy
 
         if backend == "vllm":
             policy = get_policy("vllm", model=str(checkpoint), device=device)
-            return cls(policy, policy.llm.get_tokenizer(), policy.llm.llm_engine.model_config.max_model_len)
+            return cls(policy, policy.llm.get_tokenizer(), policy.llm.llm_engine.model_config.max_model_len,
+                       constrained)
         policy = get_policy("hf", model_or_path=checkpoint, device=device)
         config = policy.model.config
-        return cls(policy, policy.tokenizer, getattr(config, "max_position_embeddings", None) or 1 << 20)
+        return cls(policy, policy.tokenizer, getattr(config, "max_position_embeddings", None) or 1 << 20,
+                   constrained)
 
     def prompt_tokens(self, request: ChatRequest) -> int:
         """How many tokens the prompt takes through the student's chat template."""
@@ -209,23 +249,66 @@ class ChatEngine:
                                                      tokenize=True, return_dict=True)
         return len(encoded["input_ids"])
 
-    def answer(self, request: ChatRequest, model: str) -> dict:
-        """The chat.completion for the request: n choices, tool calls parsed and held to tool_choice, usage counted.
-
-        Usage counts the prompt once (as OpenAI does for n > 1) and every token generated, stop sequences or not.
-        """
+    def prepare(self, request: ChatRequest) -> Prepared:
+        """The request with its prompt counted and its sampling settings; RequestError if it does not fit."""
         prompt = self.prompt_tokens(request)
         room = self.context_length - prompt
         if room < 1:
             raise RequestError(f"this model's maximum context length is {self.context_length} tokens; the messages "
                                f"and tools take {prompt}", param="messages", code="context_length_exceeded")
-        max_new = min(request.max_tokens or MAX_DEFAULT_TOKENS, room)
-        sampling = Sampling(temperature=request.temperature, max_new_tokens=max_new, top_p=request.top_p,
-                            seed=request.seed)
-        completions = self.policy.generate([request.messages] * request.n, request.tools, sampling)
+        choice = {"type": "function", "function": {"name": request.function}} if request.function \
+            else request.tool_choice
+        sampling = Sampling(temperature=request.temperature, max_new_tokens=min(request.max_tokens or
+                                                                                MAX_DEFAULT_TOKENS, room),
+                            top_p=request.top_p, seed=request.seed, tool_choice=choice, constrained=self.constrained)
+        return Prepared(request, prompt, sampling)
+
+    def answer(self, request: ChatRequest, model: str) -> dict:
+        """The chat.completion for one request (see answer_many); RequestError when it cannot be answered."""
+        answer = self.answer_many([self.prepare(request)], model)[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def answer_many(self, batch: list[Prepared], model: str) -> list[dict | RequestError]:
+        """One generate call for requests of one batch_key (n rows each), then each request's chat.completion:
+        n choices, tool calls parsed and held to tool_choice, usage counted; or the RequestError it alone gets.
+
+        Sampled choices that break tool_choice (a call that does not parse, none where one is required) are
+        sampled again, at most MAX_RESAMPLES times, in one call for all of them. Usage counts the prompt once
+        (as OpenAI does for n > 1) and every token generated, stop sequences and resampled choices included.
+        """
+        first = batch[0]
+        owners = [j for j, prepared in enumerate(batch) for _ in range(prepared.rows)]
+        conversations = [batch[j].request.messages for j in owners]
+        completions = self.policy.generate(conversations, first.request.tools, first.sampling)
+        spent = [len(c.token_ids or []) for c in completions]
+        for attempt in range(1, MAX_RESAMPLES + 1 if first.request.temperature > 0 else 1):
+            again = [i for i, c in enumerate(completions) if _breaks_tool_choice(c, batch[owners[i]].request)]
+            if not again:
+                break
+            self.resampled += len(again)
+            seed = None if first.sampling.seed is None else first.sampling.seed + RESAMPLE_SEED_STEP * attempt
+            redone = self.policy.generate([conversations[i] for i in again], first.request.tools,
+                                          replace(first.sampling, seed=seed))
+            for i, completion in zip(again, redone, strict=True):
+                completions[i] = completion
+                spent[i] += len(completion.token_ids or [])
+        answers: list[dict | RequestError] = []
+        for j, prepared in enumerate(batch):
+            mine = [i for i, owner in enumerate(owners) if owner == j]
+            try:
+                answers.append(self._response(prepared, [completions[i] for i in mine], sum(spent[i] for i in mine),
+                                              model))
+            except RequestError as refused:
+                answers.append(refused)
+        return answers
+
+    def _response(self, prepared: Prepared, completions: list, generated: int, model: str) -> dict:
+        request, max_new = prepared.request, prepared.sampling.max_new_tokens
         answer_id = uuid.uuid4().hex[:24]
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        choices, generated = [], 0
+        choices = []
         for index, completion in enumerate(completions):
             content, calls = _held_to_tool_choice(completion, request, index)
             content, stopped = _cut_at_stop(content, request.stop)
@@ -236,31 +319,52 @@ class ChatEngine:
             elif message["content"] is None:
                 message["content"] = ""
             ids = completion.token_ids or []
-            generated += len(ids)
-            ended = stopped or (bool(ids) and ids[-1] == eos)
-            finish = "tool_calls" if calls else "length" if len(ids) >= max_new and not ended else "stop"
+            ran_out = len(ids) >= max_new and not (stopped or (bool(ids) and ids[-1] == eos))
+            finish = "tool_calls" if calls else "length" if ran_out else \
+                MALFORMED_CALL if completion.error and request.tool_choice != "none" else "stop"
             choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": None})
+        prompt = prepared.prompt_tokens
         return {"id": f"chatcmpl-{answer_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": model, "choices": choices,
                 "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}}
 
 
-def _held_to_tool_choice(completion, request: ChatRequest, index: int) -> tuple[str, list[dict]]:
-    """(content, tool calls) of one completion as tool_choice and parallel_tool_calls allow; 422 when it cannot."""
-    if request.tool_choice == "none":
-        return CALL_TEXT.sub("", completion.text or completion.message.get("content") or "").strip(), []
+def _breaks_tool_choice(completion, request: ChatRequest) -> bool:
+    """Whether a choice would not do: its call does not parse, or it has no (matching) call where one is required."""
+    if request.tool_choice == "none" or not request.tools:
+        return False
+    if completion.error:
+        return True
     calls = completion.message.get("tool_calls") or []
+    return request.tool_choice == "required" and not any(
+        request.function in (None, call["function"]["name"]) for call in calls)
+
+
+def _held_to_tool_choice(completion, request: ChatRequest, index: int) -> tuple[str, list[dict]]:
+    """(content, tool calls) of one completion as tool_choice and parallel_tool_calls allow; 422 when it cannot.
+    The content never holds tool-call markup: a call that did not parse is cut from it (finish_reason says so)."""
+    written = request.tool_choice == "none" or completion.error  # no calls to take: the text, its markup cut
+    calls = [] if written else completion.message.get("tool_calls") or []
     if request.function:
         calls = [call for call in calls if call["function"]["name"] == request.function]
     if not request.parallel_tool_calls:
         calls = calls[:1]
     if request.tool_choice == "required" and not calls:
         wanted = f"a call to '{request.function}'" if request.function else "a tool call"
+        tries = f" in {MAX_RESAMPLES + 1} samples" if request.temperature > 0 else ""
         why = f" ({completion.error})" if completion.error else ""
-        raise RequestError(f"tool_choice asks for {wanted}, and choice {index} has none{why}; the model wrote "
-                           f"{completion.text[:200]!r}. Generation is not constrained: ask again with temperature > 0 "
-                           f"or with tool_choice 'auto'", param="tool_choice", code="tool_choice_not_met", status=422)
-    return completion.message.get("content") or "", calls
+        raise RequestError(f"tool_choice asks for {wanted}, and choice {index} has none{tries}{why}; the model wrote "
+                           f"{completion.text[:200]!r}. Generation is not constrained (environment.constrained_tools "
+                           f"is off for this model): ask again with temperature > 0 or with tool_choice 'auto'",
+                           param="tool_choice", code="tool_choice_not_met", status=422)
+    text = (completion.text or completion.message.get("content") or "") if written else \
+        completion.message.get("content") or ""
+    return _without_markup(text), calls
+
+
+def _without_markup(text: str) -> str:
+    """The text with every tool call cut out, closed or not, and any stray closing tag."""
+    return CALL_TEXT.sub("", text).replace("</tool_call>", "").strip()
 
 
 def _cut_at_stop(content: str, stop: tuple[str, ...]) -> tuple[str, bool]:

@@ -74,7 +74,7 @@ def run_round(pipeline: str, root: Path, folder: Path, summary: RetrainSummary, 
 
     harness = round_harness(pipeline, root)
     tasks = round_tasks(harness.env, episodes, seed if seed is not None else 1000 + number)
-    with ModelServer(pipeline, "champion", traces=folder) as server:
+    with ModelServer(pipeline, "champion", traces=folder, root=root) as server:  # root: its constrained_tools
         version = server.follower.current.version.version
         policy = OpenAIPolicy(model=pipeline, base_url=server.url, concurrency=4, max_retries=2)
         done = harness.run(policy, tasks, sampling=Sampling(temperature=0.0, max_new_tokens=64))

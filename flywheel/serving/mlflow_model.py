@@ -48,8 +48,12 @@ class StudentChatModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         from flywheel.serving.chat import ChatEngine
 
-        self.engine = ChatEngine.from_checkpoint(Path(context.artifacts[CHECKPOINT]))
-        self.model_name = (context.model_config or {}).get("model_name", "student")
+        config = context.model_config or {}
+        # constrained_tools: as the pipeline's environment.constrained_tools; give it at load time with
+        # mlflow.pyfunc.load_model(uri, model_config={"constrained_tools": True})
+        self.engine = ChatEngine.from_checkpoint(Path(context.artifacts[CHECKPOINT]),
+                                                 constrained=bool(config.get("constrained_tools", False)))
+        self.model_name = config.get("model_name", "student")
 
     # the hint is what MLflow passes (a frame, after its schema check; dicts are taken too): with none, MLflow
     # warns at every import that predict has no type hints

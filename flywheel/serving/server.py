@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 
 from flywheel import registry
 from flywheel.errors import UserFacingError
+from flywheel.serving.batching import MAX_BATCH, WINDOW_S, Batcher
 from flywheel.serving.chat import ChatEngine, RequestError, parse_request, stream_chunks
 from flywheel.serving.traffic import OUTCOMES, MlflowTraffic, TrafficLog, UnknownAnswer
 
@@ -58,23 +59,24 @@ def choose_backend(requested: str = "auto") -> str:
 
 @dataclass
 class Loaded:
-    """One version, loaded whole; requests on it take turns (one generate at a time per model)."""
+    """One version, loaded whole; concurrent requests on it share generate calls (batching.py)."""
 
     version: registry.Version
     engine: ChatEngine
+    batcher: Batcher
     loaded_at: float = field(default_factory=time.time)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def answer(self, request, model: str) -> dict:
-        with self.lock:
-            return self.engine.answer(request, model)
+        return self.batcher.answer(request, model)
 
 
 class AliasFollower:
     """The version behind `name@alias`, loaded; `check()` swaps in a newer one once it is loaded whole."""
 
-    def __init__(self, name: str, alias: str = "champion", backend: str = "hf", device: str = "auto"):
+    def __init__(self, name: str, alias: str = "champion", backend: str = "hf", device: str = "auto",
+                 constrained: bool = False, max_batch: int = MAX_BATCH, window_s: float = WINDOW_S):
         self.name, self.alias, self.backend, self.device = name, alias, backend, device
+        self.constrained, self.max_batch, self.window_s = constrained, max_batch, window_s
         self.current: Loaded | None = None
         self.swaps = 0
         self.last_error: str | None = None
@@ -129,7 +131,8 @@ class AliasFollower:
 
     def _load(self, version: registry.Version) -> Loaded:
         checkpoint = registry.download(version)
-        return Loaded(version, ChatEngine.from_checkpoint(checkpoint, backend=self.backend, device=self.device))
+        engine = ChatEngine.from_checkpoint(checkpoint, self.backend, self.device, self.constrained)
+        return Loaded(version, engine, Batcher(engine, self.max_batch, self.window_s))
 
 
 def create_app(follower: AliasFollower, traffic: TrafficLog | None, traced: MlflowTraffic | None = None):
@@ -199,6 +202,8 @@ def create_app(follower: AliasFollower, traffic: TrafficLog | None, traced: Mlfl
         loaded = follower.current
         return {"status": "ok", "model": follower.name, "alias": follower.alias, "version": loaded.version.version,
                 "model_hash": loaded.version.model_hash, "backend": follower.backend, "swaps": follower.swaps,
+                "constrained_tools": follower.constrained, "generate_calls": loaded.batcher.calls,
+                "answered": loaded.batcher.answered, "resampled": loaded.engine.resampled,
                 "last_error": follower.last_error,
                 "recorded": traffic.recorded if traffic else 0, "labelled": traffic.labelled if traffic else 0,
                 "mlflow_traces": traced.recorded if traced else 0}
@@ -234,6 +239,18 @@ def create_app(follower: AliasFollower, traffic: TrafficLog | None, traced: Mlfl
     return app
 
 
+def constrained_tools(root: Path, name: str) -> bool:
+    """The served pipeline's `environment.constrained_tools`; False when root's pipelines.yaml has no such pipeline
+    (a model registered elsewhere). A pipeline that is there must load: its ConfigError names the key."""
+    from flywheel.config import load_pipeline, read_pipelines_file
+
+    path = root / "pipelines.yaml"
+    if not path.is_file() or name not in read_pipelines_file(path):
+        return False
+    # getattr: the key is added by the constrained-decoding work of issue 47; absent, generation is unconstrained
+    return bool(getattr(load_pipeline(name, path).environment, "constrained_tools", False))
+
+
 def traces_folder(root: Path, name: str) -> Path:
     """Where served traffic goes by default: traces/served/<pipeline>/ under the project root."""
     return root / "traces" / "served" / name
@@ -245,8 +262,13 @@ class ModelServer:
 
     def __init__(self, name: str, alias: str = "champion", traces: Path | None = None, poll_s: float = 2.0,
                  backend: str = "hf", device: str = "auto", port: int = 0, host: str = "127.0.0.1",
-                 mlflow_experiment: str | None = None, root: Path = Path(".")):
-        self.follower = AliasFollower(name, alias, backend, device)
+                 mlflow_experiment: str | None = None, root: Path = Path("."), constrained: bool | None = None,
+                 max_batch: int = MAX_BATCH, window_s: float = WINDOW_S):
+        """constrained: None takes the pipeline's `environment.constrained_tools` from root's pipelines.yaml (off
+        for a model no pipeline there names). max_batch, window_s: how concurrent requests share generate calls."""
+        if constrained is None:
+            constrained = constrained_tools(root, name)
+        self.follower = AliasFollower(name, alias, backend, device, constrained, max_batch, window_s)
         self.traces = traces
         self.traffic: TrafficLog | None = None  # made once the version is loaded
         self.mlflow_experiment, self.root = mlflow_experiment, root
@@ -296,7 +318,8 @@ class ModelServer:
         print(f"serving {follower.name}@{follower.alias} (version {follower.current.version.version}, "
               f"{follower.backend}) at {self.url} (pid {os.getpid()}); traffic to "
               f"{self.traces or 'nowhere (--no-record)'}{also}; following the alias every {self.poll_s:g}s and on "
-              "SIGHUP",
+              f"SIGHUP; up to {follower.max_batch} rows a generate call; tool calls "
+              f"{'constrained' if follower.constrained else 'not constrained'} (environment.constrained_tools)",
               flush=True)
         try:
             self._server.run()
@@ -326,8 +349,9 @@ class ModelServer:
 
 
 def serve(name: str, alias: str, host: str, port: int, traces: Path | None, poll_s: float, backend: str,
-          device: str, mlflow_experiment: str | None = None, root: Path = Path(".")) -> None:
+          device: str, mlflow_experiment: str | None = None, root: Path = Path("."), max_batch: int = MAX_BATCH,
+          window_s: float = WINDOW_S) -> None:
     """Serve until interrupted (the `flywheel serve-model` command): SIGHUP checks the alias at once.
     mlflow_experiment: every answer also an MLflow trace there."""
     ModelServer(name, alias, traces, poll_s, choose_backend(backend), device, port, host, mlflow_experiment,
-                root).run()
+                root, max_batch=max_batch, window_s=window_s).run()
