@@ -55,6 +55,8 @@ bench: $(SMOL_STAMP)
 	$(BIN)/python benchmarks/demo_student.py
 	$(BIN)/python benchmarks/serve.py
 	$(BIN)/python benchmarks/smol.py
+	$(BIN)/python benchmarks/generation.py
+	$(BIN)/python benchmarks/generation.py --smol
 	$(BIN)/python benchmarks/rl_gain.py
 	$(BIN)/python benchmarks/opd.py
 	$(BIN)/python benchmarks/peer_rl.py
