@@ -126,7 +126,7 @@ def test_changed_weights_drop_the_kept_caches(tiny_student, env):
     prompts = [t.prompt for t in islice(env.generate_tasks(5), 3)]
     sampling = Sampling(max_new_tokens=6)
     first = policy.generate(prompts, env.tools(), sampling)
-    nexts = [[*p, c.message, {"role": "user", "content": "And once more?"}] for p, c in zip(prompts, first)]
+    nexts = [[*p, c.message, {"role": "user", "content": "Again?"}] for p, c in zip(prompts, first, strict=True)]
     assert policy.kept.entries
     model.train()  # a learner's step on the live model the policy shares (RL with actors 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
