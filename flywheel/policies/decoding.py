@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import functools
+
 import numpy as np
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from flywheel.policies.base import Sampling
 
@@ -139,7 +142,42 @@ def plain_cache(cache) -> bool:
     columns the loop can move, drop and keep."""
     from transformers.cache_utils import DynamicLayer
 
-    return all(type(layer) is DynamicLayer for layer in cache.layers)
+    return all(type(layer) in (DynamicLayer, GrowingLayer) for layer in cache.layers)
+
+
+def plain_model(model) -> bool:
+    """Whether the model's own cache would be plain (flywheel.policies.decoding.plain_cache)."""
+    from transformers.cache_utils import DynamicCache
+
+    return plain_cache(DynamicCache(config=model.config))
+
+
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are views into buffers with room to grow: a decode step writes its
+    token into the room where DynamicLayer concatenates, copying the whole cache every step (for SmolLM2 on a CPU
+    about as long as the step's matmuls at a thousand tokens)."""
+
+    def __init__(self, spare: int = 64, **kwargs):
+        super().__init__(**kwargs)
+        self.spare, self.room = spare, None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.keys.shape[-2] if self.keys.numel() else 0
+        end = length + key_states.shape[-2]
+        room = self.room
+        if (room is None or length == 0 or room[0].data_ptr() != self.keys.data_ptr()
+                or room[0].shape[0] != key_states.shape[0] or end > room[0].shape[-2]):
+            # a fresh buffer: the first write, rows or columns dropped (a copy already), or the room used up
+            shape = (*key_states.shape[:2], end + max(self.spare, end // 8), key_states.shape[-1])
+            room = (key_states.new_empty(shape), value_states.new_empty(shape))
+            if length:
+                room[0][:, :, :length], room[1][:, :, :length] = self.keys, self.values
+            self.room = room
+        room[0][:, :, length:end], room[1][:, :, length:end] = key_states, value_states
+        self.keys, self.values = room[0][:, :, :end], room[1][:, :, :end]
+        return self.keys, self.values
 
 
 def decode(model, sources: list[Source], sampling: Sampling, eos: int, pad: int, constraints: list | None,
@@ -148,8 +186,8 @@ def decode(model, sources: list[Source], sampling: Sampling, eos: int, pad: int,
     when it ends. keep(row, ids, layers): called with each finished row's cache (the tokens it read and their
     keys/values) where the cache is plain. Sampling draws from torch's global generator (the caller seeds it)."""
     device = next(model.parameters()).device
-    logits, cache, mask, position = _prefill(model, sources, pad, device, stats)
-    plain = plain_cache(cache)
+    plain = plain_model(model)
+    logits, cache, mask, position = _prefill(model, sources, pad, device, stats, plain, sampling.max_new_tokens)
     results = [Decoded() for _ in sources]
     fed = [list(s.ids) for s in sources]  # what each row's cache holds, by its mask's columns
     active = list(range(len(sources)))
@@ -203,10 +241,8 @@ def decode(model, sources: list[Source], sampling: Sampling, eos: int, pad: int,
     return results
 
 
-def _prefill(model, sources: list[Source], pad: int, device, stats: DecodeStats):
+def _prefill(model, sources: list[Source], pad: int, device, stats: DecodeStats, plain: bool, spare: int):
     """Read every row's unread rest over its kept cache: (last logits, cache, mask, next position per row)."""
-    from transformers.cache_utils import DynamicCache
-
     width_kept = max(s.reuse for s in sources)
     rests = [s.ids[s.reuse:] for s in sources]
     width_rest = max(len(r) for r in rests)
@@ -218,9 +254,14 @@ def _prefill(model, sources: list[Source], pad: int, device, stats: DecodeStats)
         ids[i, width_rest - len(rest):] = torch.tensor(rest)
     stats.read_tokens += sum(len(r) for r in rests)
     stats.reused_tokens += sum(s.reuse for s in sources)
-    cache = DynamicCache(config=model.config)
-    if width_kept:
-        cache = DynamicCache(ddp_cache_data=_kept_layers(sources, width_kept))
+    if plain:
+        cache = DynamicCache()
+        cache.layer_class_to_replicate = functools.partial(GrowingLayer, spare=spare)
+        for keys, values in _kept_layers(sources, width_kept) if width_kept else []:
+            cache.layers.append(GrowingLayer(spare=spare))
+            cache.layers[-1].update(keys, values)
+    else:  # sliding-window or linear layers: the model's own cache (and no kept caches: width_kept is 0)
+        cache = DynamicCache(config=model.config)
     mask = mask.to(device)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, width_kept:]
     out = model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions, cache=cache,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flywheel.policies.base import Completion, Sampling
-from flywheel.policies.decoding import DecodeStats, KeptCaches, Source, decode, plain_cache
+from flywheel.policies.decoding import DecodeStats, KeptCaches, Source, decode, plain_model
 from flywheel.policies.toolcalls import parse_completion
 
 # Kept caches between calls. A token costs 2 x layers x kv_heads x head_dim x 4 bytes in fp32: SmolLM2-135M
@@ -50,15 +50,13 @@ class HFPolicy:
             raise ValueError("HFPolicy needs a tokenizer when given a model object (or pass a checkpoint path)")
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token: generation would never know where a turn ends")
-        from transformers.cache_utils import DynamicCache
-
         self.model = model_or_path
         self.tokenizer = tokenizer
         self.tokenizer.padding_side = "left"  # as a batch of the tokenizer is laid out (the loop pads itself)
         self.batch_size = batch_size
         self.precision = precision
         # A model with sliding-window or linear layers gets neither kept caches nor the opening read once.
-        self.plain = plain_cache(DynamicCache(config=self.model.config))
+        self.plain = plain_model(self.model)
         self.kept = KeptCaches(kept_bytes if self.plain else 0)
         self.stats = DecodeStats()
         self._lock = threading.Lock()
