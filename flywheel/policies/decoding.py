@@ -9,9 +9,8 @@ no remaining row attends to is dropped from the cache (positions do not depend o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import functools
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
