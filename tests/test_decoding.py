@@ -143,6 +143,30 @@ def test_changed_weights_drop_the_kept_caches(tiny_student, env):
     assert not policy.kept.entries
 
 
+def test_a_turn_rendered_otherwise_than_written_reuses_what_matches(tiny_student, env):
+    policy, reread = HFPolicy(tiny_student), HFPolicy(tiny_student, kept_bytes=0)
+    tokenizer, tools = policy.tokenizer, env.tools()
+    prompts = [t.prompt for t in islice(env.generate_tasks(8), 3)]
+    sampling = Sampling(max_new_tokens=6)
+    first = policy.generate(prompts, tools, sampling)
+    nexts = [[*p, {"role": "assistant", "content": "Something else."}, {"role": "user", "content": "Again?"}]
+             for p in prompts]
+    expected = 0
+    for prompt, completion, conversation in zip(prompts, first, nexts, strict=True):
+        written = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True)["input_ids"] + \
+            completion.token_ids[:-1]  # the kept cache: all but the last token (never read)
+        new = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True)["input_ids"]
+        common = next((i for i, (a, b) in enumerate(zip(written, new)) if a != b), min(len(written), len(new)))
+        assert common < len(written)  # the turn as rendered differs from the tokens written
+        expected += common
+    reused = policy.stats.reused_tokens
+    after = policy.generate(nexts, tools, sampling)
+    assert policy.stats.reused_tokens - reused == expected  # cropped to what matches, no more, no less
+    whole = reread.generate(nexts, tools, sampling)
+    assert [c.token_ids for c in after] == [c.token_ids for c in whole]
+    assert [c.logprobs for c in after] == [pytest.approx(c.logprobs, abs=1e-5) for c in whole]
+
+
 def test_the_kept_caches_stay_within_their_bound_and_last_one_call(talkative, env):
     model, tokenizer = talkative
     sampling = Sampling(temperature=1.0, max_new_tokens=16, seed=5)
