@@ -156,7 +156,8 @@ def test_a_turn_rendered_otherwise_than_written_reuses_what_matches(tiny_student
         written = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True)["input_ids"] + \
             completion.token_ids[:-1]  # the kept cache: all but the last token (never read)
         new = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True)["input_ids"]
-        common = next((i for i, (a, b) in enumerate(zip(written, new, strict=False)) if a != b), min(len(written), len(new)))
+        common = next((i for i, (a, b) in enumerate(zip(written, new, strict=False)) if a != b),
+                      min(len(written), len(new)))
         assert common < len(written)  # the turn as rendered differs from the tokens written
         expected += common
     reused = policy.stats.reused_tokens
