@@ -1,7 +1,8 @@
 """Multi-turn generation on the support desk: the hf policy keeping each conversation's cache from one turn to the
 next, against the same policy re-reading every turn whole, and against the old path (transformers' `generate`).
 
-    .venv/bin/python benchmarks/generation.py [--smol] [--conversations 16] [--repeats 2] [--quick]
+    .venv/bin/python benchmarks/generation.py [--smol] [--conversations 16] [--turns 5] [--repeats 2]
+                                              [--threads 2] [--precision fp32] [--quick]
 
 The prompts are the oracle's support conversations of 4 or more assistant turns (its tool calls, the tools'
 results), replayed turn by turn: at turn t every conversation that has a t-th assistant turn is one row of the
@@ -16,14 +17,16 @@ under autocast, as support-smol's evaluate; there `same_rows_share` is the figur
   once), every row riding along to the longest.
 
 tokens/s = generated tokens / seconds over all turns; `kept_ratio` = kept / reread, `loop_ratio` = reread /
-generate. `same_tokens`: kept and reread wrote exactly the same tokens (asserted); `generate_same_share`: the share
-of rows where the old path wrote the same tokens too (fp32 ties may differ). Under bf16 the kept caches are as
-faithful as bf16 itself: a batch laid out otherwise rounds otherwise, so a near-tie may flip, as it does between
-two batch sizes with no kept cache at all; `same_rows_share` says how many rows were written alike. Each side keeps its best of --repeats
-runs, alternating which goes first. Default: the tiny student of the `support` pipeline (random weights, tokenizer
-trained on the desk's oracle conversations); `--smol`: SmolLM2-135M-Instruct of `support-smol` with its compact
-tool template (needs `make smol-setup`). The last line is one JSON object. `--quick`: 4 conversations, 2 turns of
-8 tokens, one run each side.
+generate. `same_tokens`: kept and reread wrote exactly the same tokens (asserted in fp32); `generate_same_share`:
+the share of rows where the old path wrote the same tokens too (fp32 ties may differ). Under bf16 the kept caches
+are as faithful as bf16 itself: a batch laid out otherwise rounds otherwise, so a near-tie may flip, as it does
+between two batch sizes with no kept cache at all; `same_rows_share` says how many rows were written alike.
+`kept_read_share`: the prompt tokens the kept side read / all its prompt tokens; `row_steps_share`: the rows x
+steps it computed / what rows riding along to their batch's longest would have. Each side keeps its best of
+--repeats runs, alternating which goes first. Default: the tiny student of the `support` pipeline (random
+weights, tokenizer trained on the desk's oracle conversations); `--smol`: SmolLM2-135M-Instruct of
+`support-smol` with its compact tool template (needs `make smol-setup`). The last line is one JSON object.
+`--quick`: 4 conversations, 2 turns of 8 tokens, one run each side.
 """
 
 from __future__ import annotations
