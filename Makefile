@@ -58,6 +58,8 @@ bench: $(SMOL_STAMP)
 	$(BIN)/python benchmarks/serve.py --smol
 	$(BIN)/python benchmarks/served_calls.py
 	$(BIN)/python benchmarks/smol.py
+	$(BIN)/python benchmarks/generation.py
+	$(BIN)/python benchmarks/generation.py --smol
 	$(BIN)/python benchmarks/rl_gain.py
 	$(BIN)/python benchmarks/opd.py
 	$(BIN)/python benchmarks/peer_rl.py

@@ -125,7 +125,7 @@ def test_an_opening_every_row_shares_is_read_once_and_changes_no_turn(tiny_stude
 
     system = {"role": "system", "content": "You are a careful assistant. " * 12}
     shared = [[system, *p] for p in prompts]
-    policy = HFPolicy(tiny_student, batch_size=8)
+    policy = HFPolicy(tiny_student, batch_size=8, kept_bytes=0)  # the second call must not start from the first's
     sampling = Sampling(temperature=temperature, max_new_tokens=10, seed=3)
     rows = [policy.tokenizer.apply_chat_template(p, tools=env.tools(), add_generation_prompt=True, tokenize=True,
                                                  return_dict=True)["input_ids"] for p in shared]

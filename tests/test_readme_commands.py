@@ -132,6 +132,8 @@ FIGURES = {
                "opd_minus_rl", "opd_episodes", "rl_episodes", "opd_generated_tokens", "rl_generated_tokens",
                "opd_trained_tokens", "rl_trained_tokens", "opd_wall_s", "rl_wall_s", "opd_to_rl_generated_tokens",
                "opd_to_rl_trained_tokens", "opd_to_rl_wall"},
+    "generation.py": {"kept_tokens_per_s", "reread_tokens_per_s", "generate_tokens_per_s", "kept_ratio", "loop_ratio",
+                      "same_tokens", "same_rows_share", "generate_same_share", "kept_read_share", "row_steps_share"},
     "peer_rl.py": {"trl_version", "project_episodes_per_s", "trl_episodes_per_s", "ratio",
                    "project_generated_tokens_per_s", "trl_generated_tokens_per_s", "project_wall_s", "trl_wall_s",
                    "project_peak_rss_mb", "trl_peak_rss_mb", "project_heldout_pass_rate", "trl_heldout_pass_rate",

@@ -1,13 +1,26 @@
-"""The `hf` policy: transformers `generate` on a local checkpoint or a live model, batched, with logprobs."""
+"""The `hf` policy: a causal LM on a local checkpoint or a live model, batched, with logprobs, through the project's
+own decode loop (flywheel.policies.decoding): finished rows leave the batch, and a conversation's next turn reads
+only what its kept cache does not hold."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from flywheel.policies.base import Completion, Sampling
+from flywheel.policies.decoding import DecodeStats, KeptCaches, Source, decode, plain_model
 from flywheel.policies.toolcalls import parse_completion
+
+# Kept caches between calls. A token costs 2 x layers x kv_heads x head_dim x 4 bytes in fp32: SmolLM2-135M
+# 46 KB, so 1 GiB holds ~23,000 tokens, 32 support-desk conversations of ~700 tokens (a turn's batch in evaluate
+# and RL); the tiny student 2-8 KB, thousands of conversations. Rows past it are read whole again.
+KEPT_BYTES = 1 << 30
+
+
+class ConstrainedUnavailable(RuntimeError):
+    """Constrained tool calls asked for where flywheel.policies.constrained is not installed."""
 
 
 class HFPolicy:
@@ -16,12 +29,13 @@ class HFPolicy:
     name = "hf"
 
     def __init__(self, model_or_path, tokenizer=None, batch_size: int = 64, device: str = "auto",
-                 precision: str = "fp32"):
+                 precision: str = "fp32", kept_bytes: int = KEPT_BYTES):
         """A checkpoint path is loaded onto `device` (auto: CUDA when present); a live model stays where it is.
 
         precision: bf16 generates under bfloat16 autocast (the weights stay as they are): on a CPU with native
         bf16 about twice the tokens a second of fp32 (benchmarks/smol.py), greedy turns that may differ from
-        fp32's where two tokens are nearly tied."""
+        fp32's where two tokens are nearly tied. kept_bytes: the most memory finished rows' caches keep between
+        calls for the next turn of their conversation (0: every turn is read whole)."""
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"precision: {precision!r} (fp32 or bf16)")
         if isinstance(model_or_path, (str, Path)):
@@ -38,13 +52,24 @@ class HFPolicy:
             raise ValueError("the tokenizer has no eos_token: generation would never know where a turn ends")
         self.model = model_or_path
         self.tokenizer = tokenizer
-        self.tokenizer.padding_side = "left"  # new tokens are appended on the right of every row
+        self.tokenizer.padding_side = "left"  # as a batch of the tokenizer is laid out (the loop pads itself)
         self.batch_size = batch_size
         self.precision = precision
+        # A model with sliding-window or linear layers gets neither kept caches nor the opening read once.
+        self.plain = plain_model(self.model)
+        self.kept = KeptCaches(kept_bytes if self.plain else 0)
+        self.stats = DecodeStats()
+        self._lock = threading.Lock()
 
     def load_weights(self, state_dict) -> None:
-        """Copy published weights (an RL learner's state dict) into the model in place."""
+        """Copy published weights (an RL learner's state dict) into the model in place; the kept caches go."""
         self.model.load_state_dict(state_dict)
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the kept caches (they are also dropped whenever the model's parameters change)."""
+        with self._lock:
+            self.kept.clear()
 
     def generate(self, conversations: Sequence[list[dict]], tools: list[dict],
                  sampling: Sampling) -> list[Completion]:
@@ -55,6 +80,8 @@ class HFPolicy:
         was_training = self.model.training
         self.model.eval()
         completions: list[Completion] = []
+        with self._lock:
+            self.kept.start(self.model)
         try:
             # fork_rng: a seeded call must not reset the caller's global random state
             with torch.inference_mode(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -70,6 +97,8 @@ class HFPolicy:
                     completions.extend(generated)
         finally:
             self.model.train(was_training)
+            with self._lock:
+                self.kept.finish()
         return completions
 
     def _generate_chunk(self, conversations: Sequence[list[dict]], tools: list[dict], sampling: Sampling,
@@ -79,68 +108,70 @@ class HFPolicy:
         from flywheel.policies.toolcalls import canonical_messages
 
         tok = self.tokenizer
-        rendered = tok.apply_chat_template([canonical_messages(c) for c in conversations], tools=tools or None,
-                                           add_generation_prompt=True, tokenize=True, return_dict=True)
+        rows = tok.apply_chat_template([canonical_messages(c) for c in conversations], tools=tools or None,
+                                       add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        batch = _batch(rendered["input_ids"], pad, device)
-        prefix = batch.pop("prefix", None)
-        options: dict = {"do_sample": False}
-        if sampling.temperature > 0:
-            # Every knob explicit: a checkpoint's generation_config (top_k 50, a repetition penalty) must not
-            # change the distribution behind the logprobs that the RL learner corrects against.
-            options = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                       "top_k": 0, "repetition_penalty": 1.0}
+        constraints = self._constraints(tools, sampling, len(rows))
+
+        def keep(row: int, ids: list[int], layers) -> None:
+            with self._lock:
+                self.stats.kept_rows += self.kept.add(ids, layers)
+
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
-            cache = None
-            if prefix is not None:  # the rows' common opening, read once for all of them
-                cache = self.model(input_ids=prefix, use_cache=True).cache
-                cache.batch_repeat_interleave(len(conversations))
-            out = self.model.generate(
-                **batch, cache=cache, max_new_tokens=sampling.max_new_tokens,
-                eos_token_id=tok.eos_token_id, pad_token_id=pad, output_scores=True, return_dict_in_generate=True,
-                **options)
-        new_tokens = out.sequences[:, batch["input_ids"].shape[1]:]
-        # out.scores are the processed logits (temperature and top_p applied): the distribution sampled from.
-        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1).gather(1, new_tokens[:, i:i + 1]).squeeze(1)
-                                for i, s in enumerate(out.scores)], dim=1)
+            sources = self._sources(rows, device)
+            decoded = decode(self.model, sources, sampling, tok.eos_token_id, pad, constraints, self.stats,
+                             keep=keep if self.kept.max_bytes else None)
         completions = []
-        prompts = batch["attention_mask"].sum(dim=1).tolist()
-        for row, row_logprobs, prompt in zip(new_tokens.tolist(), logprobs.tolist(), prompts, strict=True):
-            ended = tok.eos_token_id in row
-            length = row.index(tok.eos_token_id) + 1 if ended else len(row)
-            ids = row[:length]
-            text = tok.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
+        for ids_in, row in zip(rows, decoded, strict=True):
+            ended = row.token_ids[-1] == tok.eos_token_id
+            text = tok.decode(row.token_ids[:-1] if ended else row.token_ids, skip_special_tokens=False)
             completion = parse_completion(text)
-            completion.token_ids = ids
-            completion.logprobs = row_logprobs[:length]
-            completion.usage = {"prompt_tokens": int(prompt), "completion_tokens": len(ids)}
+            completion.token_ids, completion.logprobs = row.token_ids, row.logprobs
+            completion.masks = row.masks or None
+            completion.usage = {"prompt_tokens": len(ids_in), "completion_tokens": len(row.token_ids)}
             completions.append(completion)
         return completions
+
+    def _sources(self, rows: list[list[int]], device) -> list[Source]:
+        """Each row with the longest kept cache it begins with; rows that share an opening longer than theirs (the
+        system prompt and tools) read it once for all of them."""
+        import torch
+
+        sources = []
+        for ids in rows:
+            with self._lock:
+                entry, n = self.kept.best(ids) if self.kept.max_bytes else (None, 0)
+            sources.append(Source(ids, n, entry.layers if entry is not None else None))
+        shared = _common_prefix(rows)
+        if self.plain and len(rows) > 1 and shared >= SHARED_PREFIX_MIN and any(s.reuse < shared for s in sources):
+            cache = self.model(input_ids=torch.tensor([rows[0][:shared]], device=device), use_cache=True).cache
+            opening = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+            self.stats.read_tokens += shared
+            for source in sources:
+                if source.reuse < shared:
+                    source.reuse, source.layers = shared, opening
+        return sources
+
+    def _constraints(self, tools: list[dict], sampling: Sampling, n_rows: int) -> list | None:
+        """The rows' tool-call constraints (flywheel.policies.constrained) when sampling asks for them."""
+        if not sampling.constrained:
+            return None
+        try:
+            from flywheel.policies.constrained import row_constraints
+        except ModuleNotFoundError as err:
+            if err.name != "flywheel.policies.constrained":
+                raise
+            raise ConstrainedUnavailable(
+                "constrained tool calls were asked for (Sampling.constrained, the pipeline's "
+                "environment.constrained_tools) but flywheel.policies.constrained is not in this install: turn "
+                "environment.constrained_tools off or install a version of flywheel that has it") from err
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        return row_constraints(self.tokenizer, tools, sampling.tool_choice, n_rows, vocab)
 
 
 # Rows sharing an opening this long have it read once (a support desk prompt's first ~310 tokens are the policy
 # and the tools); shorter ones are not worth a second forward pass.
 SHARED_PREFIX_MIN = 32
-
-
-def _batch(rows: list[list[int]], pad: int, device) -> dict:
-    """The rows as one left-padded batch. Where they share an opening of SHARED_PREFIX_MIN tokens or more (the
-    system prompt and the tools, in every turn of every episode), it is laid out as that opening, then each row's
-    padding, then the rest of the row, and the opening is also given alone as `prefix`, to be read once into a
-    cache for every row. Positions come from the attention mask, so a row's rest follows the opening as it would
-    unpadded."""
-    import torch
-
-    shared = _common_prefix(rows)
-    head = rows[0][:shared] if len(rows) > 1 and shared >= SHARED_PREFIX_MIN else []
-    rests = [row[len(head):] for row in rows]
-    width = max(len(r) for r in rests)
-    ids = [head + [pad] * (width - len(r)) + r for r in rests]
-    mask = [[1] * len(head) + [0] * (width - len(r)) + [1] * len(r) for r in rests]
-    batch = {"input_ids": torch.tensor(ids, device=device), "attention_mask": torch.tensor(mask, device=device)}
-    if head:
-        batch["prefix"] = torch.tensor([head], device=device)
-    return batch
 
 
 def _common_prefix(rows: list[list[int]]) -> int:

@@ -1,0 +1,325 @@
+"""The hf policy's decode loop: a batch of rows read (each from where its kept cache ends), then one token a step,
+each row leaving the batch when it ends; and the kept caches of finished rows, for the next turn to start from.
+
+Layout of a batch: row i's kept cache (r_i tokens) right-aligned in the first R = max r columns, its unread rest
+(m_i tokens) right-aligned in the next M = max m columns, the holes masked. Positions come from the mask, so every
+row reads as it would alone: a kept key was rotated at its own position when it was made and keeps it. A column
+no remaining row attends to is dropped from the cache (positions do not depend on columns).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from flywheel.policies.base import Sampling
+
+# Dropping the columns no remaining row attends to copies the cache: only when at least this share of it goes.
+COMPACT_SHARE = 0.125
+
+
+@dataclass
+class DecodeStats:
+    """What the loop did, summed over calls: its work in rows x steps, and how much of the prompts it read."""
+
+    calls: int = 0
+    rows: int = 0
+    steps: int = 0  # decode steps (one token for every row still in the batch)
+    row_steps: int = 0  # sum over steps of the rows in the batch: the work done
+    ridealong_row_steps: int = 0  # what it would be if every row rode along to its batch's longest
+    read_tokens: int = 0  # prompt tokens read by a forward pass
+    reused_tokens: int = 0  # prompt tokens taken from a kept cache (or from the batch's opening, read once)
+    kept_rows: int = 0  # finished rows whose cache was kept
+
+
+@dataclass
+class Source:
+    """One row to decode: its prompt, and the cache of its first `reuse` tokens (per layer keys, values
+    [heads, reuse, head_dim]) where it has one."""
+
+    ids: list[int]
+    reuse: int = 0
+    layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+@dataclass
+class Decoded:
+    """One row's generated tokens, their logprobs under the distribution sampled, and the masks applied."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    masks: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class Entry:
+    """A finished row's cache: the tokens it read (prompt and generated, all but the last) and their keys/values."""
+
+    ids: np.ndarray
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    nbytes: int
+    used: int  # the call that made it or last read from it
+
+
+class KeptCaches:
+    """Finished rows' caches, for the next call's rows that begin with the same tokens.
+
+    Kept until a call reads none of it (an episode that ended is not seen again), while the model's parameters
+    are unchanged (a fingerprint of their version counters and storage: an optimiser step, load_state_dict or
+    any in-place write moves it), and within `max_bytes` (between calls; a call's new entries beyond it are not
+    kept and those rows are read again next time)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: list[Entry] = []
+        self.call = 0
+        self.fingerprint: tuple | None = None
+
+    def start(self, model) -> None:
+        """A new call: forget everything if the model's parameters changed since the last one."""
+        self.call += 1
+        fingerprint = tuple((p.data_ptr(), p._version) for p in model.parameters())
+        if fingerprint != self.fingerprint:
+            self.clear()
+        self.fingerprint = fingerprint
+
+    def clear(self) -> None:
+        """Forget every kept cache (new weights: none of them is right any more)."""
+        self.entries = []
+        self.fingerprint = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def best(self, ids: list[int]) -> tuple[Entry | None, int]:
+        """The kept entry sharing the longest opening with `ids`, and its length (at most len(ids) - 1: the last
+        token is read to give the next token's logits)."""
+        row = np.asarray(ids)
+        best, best_n = None, 0
+        for entry in self.entries:
+            n = min(len(entry.ids), len(row) - 1)
+            if n <= best_n:
+                continue
+            same = entry.ids[:n] == row[:n]
+            common = n if same.all() else int(same.argmin())
+            if common > best_n:
+                best, best_n = entry, common
+        if best is not None:
+            best.used = self.call
+        return best, best_n
+
+    def add(self, ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Keep a finished row's cache, unless this call's new entries would pass max_bytes."""
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+        fresh = sum(e.nbytes for e in self.entries if e.used == self.call)
+        if fresh + nbytes > self.max_bytes:
+            return False
+        self.entries.append(Entry(np.asarray(ids), layers, nbytes, self.call))
+        return True
+
+    def finish(self) -> None:
+        """End of a call: drop what it did not read, and what another entry holds whole (a row's last turn is the
+        opening of its new one)."""
+        kept = [e for e in self.entries if e.used == self.call]
+        kept.sort(key=lambda e: -len(e.ids))
+        self.entries = []
+        for entry in kept:
+            if not any(len(o.ids) >= len(entry.ids) and np.array_equal(o.ids[:len(entry.ids)], entry.ids)
+                       for o in self.entries):
+                self.entries.append(entry)
+        while self.entries and self.nbytes > self.max_bytes:
+            self.entries.pop()
+
+
+def plain_cache(cache) -> bool:
+    """Whether every layer of a cache holds all its tokens (no sliding window, no linear state): the kind whose
+    columns the loop can move, drop and keep."""
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) in (DynamicLayer, GrowingLayer) for layer in cache.layers)
+
+
+def plain_model(model) -> bool:
+    """Whether the model's own cache would be plain (flywheel.policies.decoding.plain_cache)."""
+    from transformers.cache_utils import DynamicCache
+
+    return plain_cache(DynamicCache(config=model.config))
+
+
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are views into buffers with room to grow: a decode step writes its
+    token into the room where DynamicLayer concatenates, copying the whole cache every step (for SmolLM2 on a CPU
+    about as long as the step's matmuls at a thousand tokens)."""
+
+    def __init__(self, spare: int = 64, **kwargs):
+        super().__init__(**kwargs)
+        self.spare, self.room = spare, None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.keys.shape[-2] if self.keys.numel() else 0
+        end = length + key_states.shape[-2]
+        room = self.room
+        if (room is None or length == 0 or room[0].data_ptr() != self.keys.data_ptr()
+                or room[0].shape[0] != key_states.shape[0] or end > room[0].shape[-2]):
+            # a fresh buffer: the first write, rows or columns dropped (a copy already), or the room used up
+            shape = (*key_states.shape[:2], end + max(self.spare, end // 8), key_states.shape[-1])
+            room = (key_states.new_empty(shape), value_states.new_empty(shape))
+            if length:
+                room[0][:, :, :length], room[1][:, :, :length] = self.keys, self.values
+            self.room = room
+        room[0][:, :, length:end], room[1][:, :, length:end] = key_states, value_states
+        self.keys, self.values = room[0][:, :, :end], room[1][:, :, :end]
+        return self.keys, self.values
+
+
+def decode(model, sources: list[Source], sampling: Sampling, eos: int, pad: int, constraints: list | None,
+           stats: DecodeStats, keep=None) -> list[Decoded]:
+    """Generate for every row until it writes `eos` or reaches sampling.max_new_tokens, a row leaving the batch
+    when it ends. keep(row, ids, layers): called with each finished row's cache (the tokens it read and their
+    keys/values) where the cache is plain. Sampling draws from torch's global generator (the caller seeds it)."""
+    device = next(model.parameters()).device
+    plain = plain_model(model)
+    logits, cache, mask, position = _prefill(model, sources, pad, device, stats, plain, sampling.max_new_tokens)
+    results = [Decoded() for _ in sources]
+    fed = [list(s.ids) for s in sources]  # what each row's cache holds, by its mask's columns
+    active = list(range(len(sources)))
+    stats.calls, stats.rows = stats.calls + 1, stats.rows + len(sources)
+    steps = 0
+    while active:
+        steps += 1
+        scores = logits.float()
+        if sampling.temperature > 0:
+            scores = scores / sampling.temperature
+        masked = _apply_constraints(scores, active, constraints) if constraints else {}
+        if sampling.temperature > 0:
+            if sampling.top_p < 1.0:
+                scores = top_p(scores, sampling.top_p)
+            chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            chosen = scores.argmax(dim=-1)
+        logprobs = torch.log_softmax(scores, dim=-1).gather(1, chosen[:, None]).squeeze(1)
+        stats.steps, stats.row_steps = stats.steps + 1, stats.row_steps + len(active)
+        staying = []
+        for slot, (row, token, logprob) in enumerate(zip(active, chosen.tolist(), logprobs.tolist(), strict=True)):
+            result = results[row]
+            if slot in masked:
+                result.masks[len(result.token_ids)] = masked[slot]
+            result.token_ids.append(token)
+            result.logprobs.append(logprob)
+            if constraints and constraints[row] is not None:
+                constraints[row].accept(token)
+            if token == eos or len(result.token_ids) >= sampling.max_new_tokens:
+                if keep is not None and plain:
+                    columns = mask[slot].bool()
+                    keep(row, fed[row], [(layer.keys[slot][:, columns], layer.values[slot][:, columns])
+                                         for layer in cache.layers])
+            else:
+                staying.append(slot)
+                fed[row].append(token)
+        if not staying:
+            break
+        if len(staying) < len(active):
+            index = torch.tensor(staying, device=device)
+            cache.batch_select_indices(index)
+            mask, position, chosen = mask[index], position[index], chosen[index]
+            active = [active[s] for s in staying]
+            if plain:
+                mask = _compact(cache, mask)
+        mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+        out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=position[:, None], cache=cache,
+                    use_cache=True)
+        logits, cache, position = out.logits[:, -1], out.cache, position + 1
+    stats.ridealong_row_steps += steps * len(sources)
+    return results
+
+
+def _prefill(model, sources: list[Source], pad: int, device, stats: DecodeStats, plain: bool, spare: int):
+    """Read every row's unread rest over its kept cache: (last logits, cache, mask, next position per row)."""
+    width_kept = max(s.reuse for s in sources)
+    rests = [s.ids[s.reuse:] for s in sources]
+    width_rest = max(len(r) for r in rests)
+    mask = torch.zeros(len(sources), width_kept + width_rest, dtype=torch.long)
+    ids = torch.full((len(sources), width_rest), pad, dtype=torch.long)
+    for i, (source, rest) in enumerate(zip(sources, rests, strict=True)):
+        mask[i, width_kept - source.reuse:width_kept] = 1
+        mask[i, mask.shape[1] - len(rest):] = 1
+        ids[i, width_rest - len(rest):] = torch.tensor(rest)
+    stats.read_tokens += sum(len(r) for r in rests)
+    stats.reused_tokens += sum(s.reuse for s in sources)
+    if plain:
+        cache = DynamicCache()
+        cache.layer_class_to_replicate = functools.partial(GrowingLayer, spare=spare)
+        for keys, values in _kept_layers(sources, width_kept) if width_kept else []:
+            cache.layers.append(GrowingLayer(spare=spare))
+            cache.layers[-1].update(keys, values)
+    else:  # sliding-window or linear layers: the model's own cache (and no kept caches: width_kept is 0)
+        cache = DynamicCache(config=model.config)
+    mask = mask.to(device)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, width_kept:]
+    out = model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions, cache=cache,
+                use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1], out.cache, mask, positions[:, -1] + 1
+
+
+def _kept_layers(sources: list[Source], width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The rows' kept caches side by side, each right-aligned in `width` columns (zeros where a row has none)."""
+    some = next(s.layers for s in sources if s.reuse)
+    layers = []
+    for n, (k0, v0) in enumerate(some):
+        keys = k0.new_zeros((len(sources), k0.shape[-3], width, k0.shape[-1]))
+        values = v0.new_zeros((len(sources), v0.shape[-3], width, v0.shape[-1]))
+        for i, source in enumerate(sources):
+            if source.reuse:
+                k, v = source.layers[n]
+                keys[i, :, width - source.reuse:] = k[..., :source.reuse, :]
+                values[i, :, width - source.reuse:] = v[..., :source.reuse, :]
+        layers.append((keys, values))
+    return layers
+
+
+def _compact(cache, mask: torch.Tensor) -> torch.Tensor:
+    """Drop the columns no row attends to any more (a row that left was the only one to use them)."""
+    used = mask.bool().any(dim=0)
+    if (~used).sum() < COMPACT_SHARE * mask.shape[1]:
+        return mask
+    columns = used.nonzero().squeeze(1)
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, columns], layer.values[:, :, columns]
+    return mask[:, columns]
+
+
+def _apply_constraints(scores: torch.Tensor, active: list[int], constraints: list) -> dict[int, np.ndarray]:
+    """-inf on every token a row's constraint disallows now; the masks applied, packed, by batch slot."""
+    masked = {}
+    width = scores.shape[1]
+    for slot, row in enumerate(active):
+        constraint = constraints[row]
+        allowed = constraint.allowed() if constraint is not None else None
+        if allowed is None:
+            continue
+        allowed = allowed.to(device=scores.device, dtype=torch.bool)
+        if allowed.shape[0] < width:  # the logits may be wider than the tokenizer's vocabulary
+            allowed = torch.cat([allowed, allowed.new_zeros(width - allowed.shape[0])])
+        if not allowed.any():
+            raise RuntimeError(f"a tool-call constraint allowed no token at all (row {row}): a bug in "
+                               "flywheel.policies.constrained, not in the model")
+        scores[slot] = scores[slot].masked_fill(~allowed, float("-inf"))
+        masked[slot] = np.packbits(allowed.cpu().numpy())
+    return masked
+
+
+def top_p(scores: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filtering as transformers' TopPLogitsWarper does it: the least likely tokens whose mass is at most
+    1 - p set to -inf, the most likely one always kept."""
+    ordered, order = torch.sort(scores, descending=False)
+    cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+    remove = cumulative <= (1 - p)
+    remove[..., -1:] = False
+    return scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))

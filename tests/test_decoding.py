@@ -1,0 +1,252 @@
+"""The hf policy's decode loop (flywheel/policies/decoding.py): the tokens and logprobs of transformers' generate,
+finished rows leaving the batch, kept caches giving the turns of re-reading every turn, and the constraint hook."""
+
+from __future__ import annotations
+
+import sys
+import types
+from itertools import islice
+
+import numpy as np
+import pytest
+import torch
+
+from flywheel.agent import Harness, Limits
+from flywheel.checkpoints import load_student
+from flywheel.envs.calculator import CalculatorEnv
+from flywheel.policies.base import Sampling
+from flywheel.policies.hf import ConstrainedUnavailable, HFPolicy
+
+
+@pytest.fixture(scope="module")
+def env() -> CalculatorEnv:
+    return CalculatorEnv()
+
+
+@pytest.fixture(scope="module")
+def talkative(tiny_student):
+    """The tiny student with its head leaning to `<tool_call>`: sampled turns often open a call they never close,
+    earn an error turn and go on, so episodes end at different turns (a real model, its weights set)."""
+    model, tokenizer = load_student(tiny_student)
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.get_output_embeddings().weight)
+        head.bias.zero_()
+        head.bias[tokenizer.convert_tokens_to_ids("<tool_call>")] = 4.0
+        head.bias[tokenizer.eos_token_id] = 2.0
+    model.lm_head = head
+    return model, tokenizer
+
+
+def _episodes(policy, env, sampling, n_tasks=6, samples=2):
+    tasks = list(islice(env.generate_tasks(0), n_tasks))
+    return Harness(env, Limits(max_turns=4)).run(policy, tasks, samples=samples, sampling=sampling)
+
+
+def _turns(episodes):
+    return [c for e in episodes for c in e.completions]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_kept_caches_give_the_turns_of_reading_every_turn_whole(talkative, env, temperature):
+    model, tokenizer = talkative
+    sampling = Sampling(temperature=temperature, max_new_tokens=16, seed=5)
+    kept = HFPolicy(model, tokenizer, batch_size=8)
+    reread = HFPolicy(model, tokenizer, batch_size=8, kept_bytes=0)
+    with_cache, without = _episodes(kept, env, sampling), _episodes(reread, env, sampling)
+    assert [e.turns for e in with_cache] == [e.turns for e in without]
+    if temperature:
+        assert len({e.turns for e in with_cache}) >= 3  # rows of one batch end at different turns
+    assert max(e.turns for e in with_cache) >= 3
+    for a, b in zip(_turns(with_cache), _turns(without), strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert a.usage == b.usage
+    # the later turns started from the kept caches: far fewer prompt tokens read
+    assert kept.stats.kept_rows > 0 and reread.stats.kept_rows == 0
+    assert kept.stats.read_tokens < 0.8 * reread.stats.read_tokens
+    assert kept.stats.read_tokens + kept.stats.reused_tokens == reread.stats.read_tokens + reread.stats.reused_tokens
+    again = _episodes(kept, env, sampling)  # seeded: the same episodes again, whatever the cache held
+    assert [c.token_ids for c in _turns(again)] == [c.token_ids for c in _turns(with_cache)]
+
+
+def test_finished_rows_leave_the_batch_and_every_row_keeps_its_own_logprobs(talkative, env):
+    model, tokenizer = talkative
+    prompts = [t.prompt for t in islice(env.generate_tasks(3), 8)]
+    policy = HFPolicy(model, tokenizer, kept_bytes=0)
+    temperature = 0.8
+    completions = policy.generate(prompts, env.tools(), Sampling(temperature=temperature, top_p=0.95,
+                                                                 max_new_tokens=24, seed=2))
+    assert len({len(c.token_ids) for c in completions}) > 1
+    assert policy.stats.row_steps == sum(len(c.token_ids) for c in completions)
+    assert policy.stats.row_steps < policy.stats.ridealong_row_steps  # no row paid for the longest
+    for prompt, completion in zip(prompts, completions, strict=True):  # each row read alone, whole
+        ids = tokenizer.apply_chat_template(prompt, tools=env.tools(), add_generation_prompt=True)["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + completion.token_ids])).logits[0, len(ids) - 1:-1] / temperature
+        chosen = torch.tensor(completion.token_ids)[:, None]
+        probs = torch.softmax(logits, -1)
+        assert (probs.gather(1, chosen) > 0).all()
+        # top_p keeps the sampled token; where it kept the whole distribution the logprob is the tempered one
+        whole = torch.log_softmax(logits, -1).gather(1, chosen).squeeze(1)
+        assert all(lp >= w - 1e-5 for lp, w in zip(completion.logprobs, whole.tolist(), strict=True))
+
+
+@pytest.mark.parametrize("sampling", [Sampling(max_new_tokens=8),
+                                      Sampling(temperature=1.0, top_p=0.9, max_new_tokens=8, seed=11)])
+def test_the_loop_writes_what_transformers_generate_writes(tiny_student, env, sampling):
+    """Rows that never end early: the same tokens and scores as `model.generate` (the old path), sampled ones too
+    (the same draws from the same seed)."""
+    policy = HFPolicy(tiny_student, kept_bytes=0)
+    tokenizer, model = policy.tokenizer, policy.model
+    prompts = [t.prompt for t in islice(env.generate_tasks(4), 5)]
+    completions = policy.generate(prompts, env.tools(), sampling)
+    assert all(tokenizer.eos_token_id not in c.token_ids for c in completions)
+    batch = tokenizer.apply_chat_template(prompts, tools=env.tools(), add_generation_prompt=True, padding=True,
+                                          return_tensors="pt", return_dict=True)
+    options = {"do_sample": False}
+    if sampling.temperature:
+        options = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
+    torch.manual_seed(sampling.seed or 0)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=sampling.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.eos_token_id, output_scores=True, return_dict_in_generate=True,
+                             **options)
+    new = out.sequences[:, batch["input_ids"].shape[1]:]
+    assert [c.token_ids for c in completions] == new.tolist()
+    expected = torch.stack([torch.log_softmax(s, -1).gather(1, new[:, i:i + 1]).squeeze(1)
+                            for i, s in enumerate(out.scores)], dim=1)
+    assert torch.allclose(torch.tensor([c.logprobs for c in completions]), expected, atol=1e-5)
+
+
+def test_changed_weights_drop_the_kept_caches(tiny_student, env):
+    model, tokenizer = load_student(tiny_student)
+    policy = HFPolicy(model, tokenizer)
+    reread = HFPolicy(model, tokenizer, kept_bytes=0)
+    prompts = [t.prompt for t in islice(env.generate_tasks(5), 3)]
+    sampling = Sampling(max_new_tokens=6)
+    first = policy.generate(prompts, env.tools(), sampling)
+    nexts = [[*p, c.message, {"role": "user", "content": "Again?"}] for p, c in zip(prompts, first, strict=True)]
+    assert policy.kept.entries
+    model.train()  # a learner's step on the live model the policy shares (RL with actors 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model(torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss.backward()
+    optimizer.step()
+    reused = policy.stats.reused_tokens
+    after = policy.generate(nexts, env.tools(), sampling)
+    assert policy.stats.reused_tokens == reused  # nothing taken from the old weights' caches
+    expected = reread.generate(nexts, env.tools(), sampling)
+    assert [c.token_ids for c in after] == [c.token_ids for c in expected]
+    assert [c.logprobs for c in after] == [pytest.approx(c.logprobs, abs=1e-6) for c in expected]
+    assert policy.kept.entries
+    policy.load_weights({k: v.clone() for k, v in model.state_dict().items()})  # published weights: forgotten
+    assert not policy.kept.entries
+
+
+def test_a_turn_rendered_otherwise_than_written_reuses_what_matches(tiny_student, env):
+    policy, reread = HFPolicy(tiny_student), HFPolicy(tiny_student, kept_bytes=0)
+    tokenizer, tools = policy.tokenizer, env.tools()
+    prompts = [t.prompt for t in islice(env.generate_tasks(8), 3)]
+    sampling = Sampling(max_new_tokens=6)
+    first = policy.generate(prompts, tools, sampling)
+    nexts = [[*p, {"role": "assistant", "content": "Something else."}, {"role": "user", "content": "Again?"}]
+             for p in prompts]
+    expected = 0
+    for prompt, completion, conversation in zip(prompts, first, nexts, strict=True):
+        written = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True)["input_ids"] + \
+            completion.token_ids[:-1]  # the kept cache: all but the last token (never read)
+        new = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True)["input_ids"]
+        common = next((i for i, (a, b) in enumerate(zip(written, new, strict=False)) if a != b),
+                      min(len(written), len(new)))
+        assert common < len(written)  # the turn as rendered differs from the tokens written
+        expected += common
+    reused = policy.stats.reused_tokens
+    after = policy.generate(nexts, tools, sampling)
+    assert policy.stats.reused_tokens - reused == expected  # cropped to what matches, no more, no less
+    whole = reread.generate(nexts, tools, sampling)
+    assert [c.token_ids for c in after] == [c.token_ids for c in whole]
+    assert [c.logprobs for c in after] == [pytest.approx(c.logprobs, abs=1e-5) for c in whole]
+
+
+def test_the_kept_caches_stay_within_their_bound_and_last_one_call(talkative, env):
+    model, tokenizer = talkative
+    sampling = Sampling(temperature=1.0, max_new_tokens=16, seed=5)
+    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
+        (model.config.hidden_size // model.config.num_attention_heads) * 4
+    bound = 300 * per_token  # room for a couple of rows
+    small = HFPolicy(model, tokenizer, batch_size=8, kept_bytes=bound)
+    reread = HFPolicy(model, tokenizer, batch_size=8, kept_bytes=0)
+    bounded, whole = _episodes(small, env, sampling), _episodes(reread, env, sampling)
+    assert 0 < small.stats.kept_rows < small.stats.rows  # some rows were kept, the rest read again
+    assert small.kept.nbytes <= bound
+    assert [c.token_ids for c in _turns(bounded)] == [c.token_ids for c in _turns(whole)]
+    # a call on other conversations leaves nothing of the episodes above but what it read from
+    others = [t.prompt for t in islice(env.generate_tasks(9), 2)]
+    policy = HFPolicy(model, tokenizer, batch_size=8)
+    _episodes(policy, env, sampling)
+    policy.generate(others, env.tools(), Sampling(max_new_tokens=4))
+    assert 2 <= len(policy.kept.entries) <= 2 + 2  # its two rows', and at most two it read openings from
+    assert all(e.used == policy.kept.call for e in policy.kept.entries)
+
+
+class AllowOnly:
+    """A test double of flywheel.policies.constrained's RowConstraint: only `tokens`, then the end token."""
+
+    def __init__(self, tokens: set[int], eos: int, vocab: int, length: int):
+        self.tokens, self.eos, self.vocab, self.length, self.seen = tokens, eos, vocab, length, []
+
+    def allowed(self) -> torch.Tensor:
+        allowed = torch.zeros(self.vocab, dtype=torch.bool)
+        allowed[list(self.tokens) if len(self.seen) < self.length else [self.eos]] = True
+        return allowed
+
+    def accept(self, token_id: int) -> None:
+        self.seen.append(token_id)
+
+
+def test_the_constraint_hook_masks_the_rows_it_constrains_and_records_the_masks(tiny_student, env, monkeypatch):
+    policy = HFPolicy(tiny_student, kept_bytes=0)
+    tokenizer = policy.tokenizer
+    digits = {tokenizer.convert_tokens_to_ids(d) for d in "0123456789"}
+    made, asked = [], []
+
+    def row_constraints(tok, tools, tool_choice, n_rows, vocab_size):
+        asked.append((tools, tool_choice, n_rows, vocab_size))
+        rows = [AllowOnly(digits, tok.eos_token_id, vocab_size, length=3), None]
+        made.extend(rows)
+        return rows
+
+    monkeypatch.setitem(sys.modules, "flywheel.policies.constrained",
+                        types.SimpleNamespace(row_constraints=row_constraints))
+    prompts = [t.prompt for t in islice(env.generate_tasks(6), 2)]
+    temperature = 0.7
+    constrained, free = policy.generate(prompts, env.tools(), Sampling(temperature=temperature, max_new_tokens=8,
+                                                                      seed=1, constrained=True, tool_choice="required"))
+    vocab = policy.model.config.vocab_size
+    assert asked == [(env.tools(), "required", 2, vocab)]
+    assert constrained.token_ids[:3] == made[0].seen[:3] and set(constrained.token_ids[:3]) <= digits
+    assert constrained.token_ids[3] == tokenizer.eos_token_id and len(constrained.token_ids) == 4
+    assert free.masks is None
+    assert sorted(constrained.masks) == [0, 1, 2, 3]
+    for position, packed in constrained.masks.items():
+        allowed = np.unpackbits(packed)[:vocab].astype(bool)
+        assert set(np.flatnonzero(allowed)) == (digits if position < 3 else {tokenizer.eos_token_id})
+    # the logprobs are of the distribution sampled: tempered, masked, renormalised
+    ids = tokenizer.apply_chat_template(prompts[0], tools=env.tools(), add_generation_prompt=True)["input_ids"]
+    with torch.no_grad():
+        logits = policy.model(torch.tensor([ids + constrained.token_ids])).logits[0, len(ids) - 1:-1] / temperature
+    for position, packed in constrained.masks.items():
+        allowed = torch.from_numpy(np.unpackbits(packed)[:vocab].astype(bool))
+        expected = torch.log_softmax(logits[position].masked_fill(~allowed, float("-inf")), -1)
+        assert constrained.logprobs[position] == pytest.approx(float(expected[constrained.token_ids[position]]),
+                                                              abs=1e-5)
+    assert constrained.logprobs[3] == pytest.approx(0.0, abs=1e-6)  # only the end token was allowed
+
+
+def test_constrained_without_the_constraint_module_is_a_clear_error(tiny_student, env, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flywheel.policies.constrained", None)  # as if it were not installed
+    policy = HFPolicy(tiny_student)
+    prompts = [t.prompt for t in islice(env.generate_tasks(6), 1)]
+    with pytest.raises(ConstrainedUnavailable, match="environment.constrained_tools"):
+        policy.generate(prompts, env.tools(), Sampling(max_new_tokens=4, constrained=True))
+    assert policy.generate(prompts, env.tools(), Sampling(max_new_tokens=4))  # unconstrained needs no module
