@@ -247,8 +247,7 @@ def constrained_tools(root: Path, name: str) -> bool:
     path = root / "pipelines.yaml"
     if not path.is_file() or name not in read_pipelines_file(path):
         return False
-    # getattr: the key is added by the constrained-decoding work of issue 47; absent, generation is unconstrained
-    return bool(getattr(load_pipeline(name, path).environment, "constrained_tools", False))
+    return load_pipeline(name, path).environment.constrained_tools
 
 
 def traces_folder(root: Path, name: str) -> Path:
