@@ -7,7 +7,7 @@ import math
 import torch
 
 from flywheel.config import RLConfig
-from flywheel.train.rl.loss import aggregate, k3_kl, policy_loss, token_distributions, token_logprobs
+from flywheel.train.rl.loss import TokenMasks, aggregate, k3_kl, policy_loss, token_distributions, token_logprobs
 from flywheel.train.rl.objective import objective_of
 from flywheel.train.rl.opd import distill_advantages, exact_divergence
 
@@ -29,10 +29,13 @@ def learning_rate(cfg: RLConfig, step: int) -> float:
 @torch.no_grad()
 def batch_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int,
                    temperature: float = 1.0) -> torch.Tensor:
-    """token_logprobs of a whole batch's loss-mask tokens without gradient, `chunk` sequences at a time."""
+    """token_logprobs of a whole batch's loss-mask tokens without gradient, `chunk` sequences at a time (under the
+    batch's token masks where constrained decoding sampled them)."""
+    masks, n = TokenMasks.of(batch), len(batch["input_ids"])
     parts = [token_logprobs(model, batch["input_ids"][i:i + chunk], batch["attention_mask"][i:i + chunk],
-                            temperature, wanted=batch["loss_mask"][i:i + chunk] > 0)
-             for i in range(0, len(batch["input_ids"]), chunk)]
+                            temperature, wanted=batch["loss_mask"][i:i + chunk] > 0,
+                            masks=masks and masks.select(slice(i, i + chunk), n))
+             for i in range(0, n, chunk)]
     return torch.cat(parts)
 
 
@@ -46,6 +49,11 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     (on-policy distillation), per-token advantages from the teacher (flywheel/train/rl/opd.py), or under an
     exact rl.opd.divergence the loss term kl_coef * KL over the vocabulary, the distributions from `teacher`
     (a LocalTeacher) for each minibatch.
+
+    A batch with token masks (constrained decoding) has every log-probability of a masked position taken under
+    its mask (disallowed tokens -inf, renormalised): the new and old policy's, so the ratio is 1 for an unchanged
+    policy; the reference's, so the KL penalty compares the two policies as the harness runs them; a local
+    teacher's, the distribution it would sample under the same constraint.
     """
     device = next(model.parameters()).device
     batch = {key: value.to(device) for key, value in batch.items()}  # collated on the CPU; learned where the model is
@@ -74,17 +82,19 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     maxima: dict[str, float] = {}
     count = 0
     n = len(batch["input_ids"])
+    masks = TokenMasks.of(batch)
     for _ in range(cfg.epochs_per_batch):
         for idx in torch.randperm(n, generator=generator).split(cfg.minibatch_size):
             ids, attention, wanted = batch["input_ids"][idx], batch["attention_mask"][idx], batch["loss_mask"][idx] > 0
-            logprobs, distributions = token_distributions(model, ids, attention, wanted, cfg.temperature)
+            picked = masks and masks.select(idx.to(masks.rows.device), n)
+            logprobs, distributions = token_distributions(model, ids, attention, wanted, cfg.temperature, picked)
             behaviour = batch["behaviour_logprobs"][idx] if "behaviour_logprobs" in batch else None
             loss, stats = policy_loss(
                 logprobs, old[idx], advantages[idx], batch["loss_mask"][idx], clip_eps=cfg.clip_eps,
                 loss_type=cfg.loss_type, max_length=cfg.max_length, behaviour_logprobs=behaviour,
                 tis_cap=cfg.tis_cap, ref_logprobs=None if ref is None else ref[idx], beta=cfg.kl_beta)
             if exact:
-                targets = teacher.distributions(ids, attention, wanted)
+                targets = teacher.distributions(ids, attention, wanted, picked)
                 # a teacher row with NaN or +inf gets no term (its token already left the loss mask, counted by
                 # with_teacher): computed there at all, it would give NaN gradients even masked
                 usable = ~(torch.isnan(targets) | (targets == torch.inf)).any(-1)
