@@ -94,7 +94,8 @@ def learn_on_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
                 loss_type=cfg.loss_type, max_length=cfg.max_length, behaviour_logprobs=behaviour,
                 tis_cap=cfg.tis_cap, ref_logprobs=None if ref is None else ref[idx], beta=cfg.kl_beta)
             if exact:
-                targets = teacher.distributions(ids, attention, wanted, picked)
+                # under the student's token masks, where it sampled under any (constrained decoding)
+                targets = teacher.distributions(ids, attention, wanted, **({"masks": picked} if picked else {}))
                 # a teacher row with NaN or +inf gets no term (its token already left the loss mask, counted by
                 # with_teacher): computed there at all, it would give NaN gradients even masked
                 usable = ~(torch.isnan(targets) | (targets == torch.inf)).any(-1)
