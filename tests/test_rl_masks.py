@@ -161,3 +161,24 @@ def test_a_mask_that_rules_out_its_own_token_is_refused(masked_batch, tiny_stude
     episode = Episode(task=task, sample=0, messages=[*task.prompt, turn.message], completions=[turn])
     with pytest.raises(ValueError, match="not allowed by it"):
         check_masks(episode)
+
+
+def test_the_first_minibatch_takes_its_old_logprobs_from_its_own_pass(masked_batch, tiny_student):
+    """The weights have not moved before the first minibatch's step, so its old log-probabilities are its new
+    ones: no pass without gradient over those rows (with one minibatch, none at all), and the ratio is still 1."""
+    _, batch, _ = masked_batch
+    n = len(batch["input_ids"])
+    for minibatch, expected_rows in ((64, 0), (4, n - 4)):
+        model = load_student(tiny_student)[0]
+        scored: list[int] = []  # rows of each forward pass run without gradient (a shared opening's read aside)
+
+        def count(_, args, kwargs, scored=scored):
+            if not torch.is_grad_enabled() and not kwargs.get("use_cache"):
+                scored.append(kwargs["input_ids"].shape[0])
+
+        model.register_forward_pre_hook(count, with_kwargs=True)
+        cfg = RLConfig(group_size=GROUP, epochs_per_batch=1, minibatch_size=minibatch, lr=1e-3)
+        stats = learn_on_batch(model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), batch, cfg,
+                               torch.Generator().manual_seed(0))
+        assert sum(scored) == expected_rows
+        assert stats["is_weight_mean"] == pytest.approx(1.0, abs=1e-5) and stats["kl_behaviour"] < 1e-8
