@@ -44,8 +44,8 @@ What cannot be made equal, and what is measured instead:
   Peak RSS is the run's process plus its largest child (the project's actor), from getrusage.
 The last line is one JSON object: medians over rounds, `ratio` = project episodes/s over TRL's (`steady_ratio`:
 the same without the first step), the held-out difference (project - TRL) with its paired interval.
-`--quick`: 2 steps of 2 tasks, one round, tiny SFT and held-out sizes (it checks the benchmark works; with
-`--smol`, on SmolLM2).
+`--quick`: 2 steps of 2 tasks, one round, tiny SFT and held-out sizes, an episode budget of at most 64 tokens (it
+checks the benchmark works; with `--smol`, on SmolLM2).
 """
 
 from __future__ import annotations
@@ -59,12 +59,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("project", "trl")
 THREADS = 2  # the CPU threads each system gets (this machine's cores)
+QUICK_BUDGET = 64  # --quick: the episode token budget at most this (both systems)
 
 
 def make_student(pipeline, env, train, workdir: Path, sft_steps: int, conversations: int, corpus: int) -> Path:
@@ -288,7 +290,8 @@ def one_run(spec: dict) -> dict:
     train = list(islice(env.generate_tasks(pipeline.environment.seed), spec["train"]))
     cfg = rl_config(pipeline, spec["steps"], spec["tasks_per_step"], spec["sync"])
     run = run_project if spec["system"] == "project" else run_trl
-    result = run(Path(spec["student"]), env, train, cfg, Path(spec["out"]), Limits.from_config(pipeline.environment))
+    limits = replace(Limits.from_config(pipeline.environment), max_tokens=spec["max_episode_tokens"])
+    result = run(Path(spec["student"]), env, train, cfg, Path(spec["out"]), limits)
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     episodes = cfg.steps * cfg.tasks_per_step * cfg.group_size
@@ -370,6 +373,8 @@ def main() -> None:
     sizes(args, pipeline)
     env = load_environment(pipeline.environment, ROOT)
     seed, limits = pipeline.environment.seed, Limits.from_config(pipeline.environment)
+    if args.quick:  # a barely trained student rambles to the budget in every turn: a short one checks the path
+        limits = replace(limits, max_tokens=min(limits.max_tokens or QUICK_BUDGET, QUICK_BUDGET))
     train = list(islice(env.generate_tasks(seed), args.train))
     seen = {t.task_id for t in train}
     heldout = list(islice((t for t in env.generate_tasks(seed + 1_000_003) if t.task_id not in seen), args.heldout))
@@ -389,7 +394,7 @@ def main() -> None:
             out = workdir / f"{name}-{r}"
             spec = {"system": name, "student": str(student), "out": str(out), "pipeline": args.pipeline,
                     "config": args.config, "steps": args.steps, "tasks_per_step": tasks_per_step,
-                    "train": args.train, "sync": args.sync}
+                    "train": args.train, "sync": args.sync, "max_episode_tokens": limits.max_tokens}
             ran = subprocess.run([sys.executable, __file__, "--run", json.dumps(spec)], capture_output=True,
                                  text=True)
             if ran.returncode != 0:
