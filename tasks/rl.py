@@ -20,6 +20,7 @@ from flywheel.tags import (
     TRACE_VERSION_TAG,
 )
 from flywheel.tracing import log_episodes, spread
+from flywheel.train.rl.generation import actors_for
 from flywheel.train.rl.loop import NO_UPDATES_FILE, no_update_warning, train_rl
 from flywheel.train.rl.monitor import MONITOR_FILE, Monitor, audit_sample
 from flywheel.train.rl.objective import objective_of
@@ -52,7 +53,13 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
         else:
             # on-policy distillation's teacher: a checkpoint folder under the project root, or a server
             teacher = objective_of(cfg.rl).load_teacher(stage.root)
-            rows, summary = train_rl(catalog.model_dir("sft"), harness, tasks, cfg.rl, out_dir,
+            actors = actors_for(cfg.rl)  # rl.actors `auto` decided for this machine: a param of its own
+            run.params({"rl": {"actors_resolved": actors}})
+            print(f"      rl: {actors} actor process(es) (rl.actors: {cfg.rl.actors}), learner threads "
+                  f"{cfg.rl.learner_threads}; episodes end after {harness.limits.max_error_turns} malformed "
+                  f"turn(s) in a row, {harness.limits.max_tokens} generated tokens", flush=True)
+            rows, summary = train_rl(catalog.model_dir("sft"), harness, tasks,
+                                     cfg.rl.model_copy(update={"actors": actors}), out_dir,
                                      device=cfg.student.device,
                                      on_step=progress(run, "rl", cfg.rl.steps, "reward_mean"), monitor=monitor,
                                      teacher=teacher, traced=traced)

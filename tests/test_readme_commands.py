@@ -138,7 +138,8 @@ FIGURES = {
                    "project_generated_tokens_per_s", "trl_generated_tokens_per_s", "project_wall_s", "trl_wall_s",
                    "project_peak_rss_mb", "trl_peak_rss_mb", "project_heldout_pass_rate", "trl_heldout_pass_rate",
                    "sft_heldout_pass_rate", "heldout_difference", "heldout_difference_interval", "steady_ratio",
-                   "project_generate_s", "project_learn_s", "project_wait_s", "trl_generate_s", "trl_learn_s"},
+                   "project_generate_s", "project_learn_s", "project_wait_s", "trl_generate_s", "trl_learn_s",
+                   "project_actors", "max_error_turns", "max_episode_tokens"},
 }
 
 

@@ -207,8 +207,10 @@ class RLConfig(Section):
     seed: int = 0
     # Asynchronous rollouts: actor processes generate while the learner steps. Step s learns from groups made
     # by exactly policy version max(s - max_staleness, 0) (reproducible); 0 is the synchronous baseline (actors
-    # wait for each new version). actors: 0 generates in the learner's own process, taking turns with learning.
-    actors: int = Field(1, ge=0)
+    # wait for each new version). actors: 0 generates in the learner's own process, taking turns with learning;
+    # auto: 0 where an actor cannot overlap the learner (max_staleness 0) or the machine has no core to spare for
+    # one (2 cores or fewer), else 1; one per actor_devices entry; 1 under vllm (flywheel/train/rl/generation.py).
+    actors: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
     max_staleness: int = Field(1, ge=0)
     tis_cap: float = Field(2.0, gt=0)  # truncated importance sampling: weights pi_old/pi_behaviour capped here
     kl_beta: float = Field(0.0, ge=0)  # KL to the starting checkpoint (frozen reference); 0: no reference kept
@@ -293,13 +295,13 @@ class RLConfig(Section):
         if self.objective.kind != "opd" and self.group_size < 2:
             raise ValueError(f"group_size {self.group_size}: objective '{self.objective.kind}' scores each task's "
                              "samples against each other, so it needs 2 or more (only 'opd' can take 1)")
-        if self.generation == "vllm" and self.actors == 0:
+        if self.generation == "vllm" and self.actors == 0:  # (auto is 1 under vllm)
             raise ValueError("generation 'vllm' needs actors >= 1: the vLLM engine runs in an actor process, and "
                              "with actors 0 the learner generates with transformers itself")
         bad = [d for d in self.actor_devices if not re.fullmatch(DEVICE_PATTERN, d)]
         if bad:
             raise ValueError(f"actor_devices {bad}: use auto, cpu, cuda or cuda:N")
-        if self.actor_devices and len(self.actor_devices) != self.actors:
+        if self.actor_devices and self.actors != "auto" and len(self.actor_devices) != self.actors:
             raise ValueError(f"actor_devices names {len(self.actor_devices)} device(s) for {self.actors} actor(s): "
                              "give one per actor, or none (every actor on student.device)")
         if self.generation == "vllm" and "cpu" in self.actor_devices:

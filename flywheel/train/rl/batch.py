@@ -5,20 +5,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from flywheel.agent import Episode
 from flywheel.train.encoding import encode_conversation
 from flywheel.train.rl.advantages import group_advantages
+from flywheel.train.rl.loss import MASK_KEYS
 
 
 @dataclass
 class Segment:
-    """Token ids with a loss mask (1: generated assistant tokens) and the behaviour logprobs aligned to them."""
+    """Token ids with a loss mask (1: generated assistant tokens) and the behaviour logprobs aligned to them; with
+    constrained decoding, the masks too: position in input_ids -> the packed allowed tokens it was sampled from
+    (the same arrays as the completions', so they cross to the learner as packed bits, only where masked)."""
 
     input_ids: list[int]
     loss_mask: list[int]
     behaviour_logprobs: list[float]
+    masks: dict[int, np.ndarray] | None = None
 
 
 @dataclass
@@ -69,6 +74,7 @@ class Sample:
     loss_mask: list[int]
     advantage: float
     behaviour_logprobs: list[float] | None = None
+    masks: dict[int, np.ndarray] | None = None  # position -> packed allowed tokens (Segment.masks)
 
 
 def _assistant_runs(mask: Sequence[int]) -> list[tuple[int, int]]:
@@ -83,9 +89,15 @@ def _assistant_runs(mask: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _shifted(masks: dict[int, np.ndarray] | None, offset: int, n: int) -> dict[int, np.ndarray]:
+    """A turn's masks (keyed by position in its token_ids) of its first n tokens, keyed by position + offset."""
+    return {offset + i: bits for i, bits in (masks or {}).items() if i < n}
+
+
 def align_behaviour(episode: Episode, input_ids: list[int], mask: list[int], eos_id: int,
-                    max_length: int) -> tuple[list[int], list[float]] | None:
-    """(loss mask, behaviour logprobs) aligned with input_ids, or None when the tokens differ from the generated.
+                    max_length: int) -> tuple[list[int], list[float], dict[int, np.ndarray]] | None:
+    """(loss mask, behaviour logprobs, token masks) aligned with input_ids, or None when the tokens differ from
+    the generated.
 
     Each assistant run of the encoding must hold its turn's generated ids. A turn cut off at max_new_tokens
     renders with an end token the policy never sampled: that token leaves the loss mask (no behaviour logprob).
@@ -96,7 +108,7 @@ def align_behaviour(episode: Episode, input_ids: list[int], mask: list[int], eos
     cut = len(input_ids) >= max_length  # encode_conversation cut the conversation here
     if len(runs) > len(turns) or (len(runs) < len(turns) and not cut):
         return None
-    mask, behaviour = list(mask), [0.0] * len(input_ids)
+    mask, behaviour, masks = list(mask), [0.0] * len(input_ids), {}
     for (start, end), turn in zip(runs, turns, strict=False):
         span, ids = input_ids[start:end], turn.token_ids
         if span == ids or (cut and end == len(input_ids) and ids[:len(span)] == span):
@@ -107,7 +119,8 @@ def align_behaviour(episode: Episode, input_ids: list[int], mask: list[int], eos
         else:
             return None
         behaviour[start:start + n] = turn.logprobs[:n]
-    return mask, behaviour
+        masks |= _shifted(turn.masks, start, n)
+    return mask, behaviour, masks
 
 
 def turn_segments(episode: Episode, tokenizer, tools: list[dict], max_length: int) -> list[Segment]:
@@ -128,8 +141,21 @@ def turn_segments(episode: Episode, tokenizer, tools: list[dict], max_length: in
         n = len(ids) - len(prompt_ids)
         if n > 0:
             segments.append(Segment(ids, [0] * len(prompt_ids) + [1] * n,
-                                    [0.0] * len(prompt_ids) + list(turn.logprobs[:n])))
+                                    [0.0] * len(prompt_ids) + list(turn.logprobs[:n]),
+                                    _shifted(turn.masks, len(prompt_ids), n) or None))
     return segments
+
+
+def check_masks(episode: Episode) -> None:
+    """ValueError unless every token sampled under a mask is one its mask allowed (else its log-probability
+    under that mask is -inf: the policy's masks and token ids disagree)."""
+    for turn, completion in enumerate(episode.completions):
+        for i, bits in (completion.masks or {}).items():
+            token = completion.token_ids[i] if 0 <= i < len(completion.token_ids) else None
+            if token is None or token >= 8 * len(bits) or not (bits[token >> 3] >> (7 - (token & 7))) & 1:
+                raise ValueError(f"task {episode.task.task_id}, turn {turn}: position {i} has a token mask, but "
+                                 f"{'no token' if token is None else f'token {token} is not allowed by it'}: the "
+                                 "policy's Completion.masks do not match its token_ids")
 
 
 def encode_episode(episode: Episode, tokenizer, tools: list[dict], max_length: int) -> Rollout:
@@ -137,10 +163,12 @@ def encode_episode(episode: Episode, tokenizer, tools: list[dict], max_length: i
     if any(c.token_ids is None or c.logprobs is None for c in episode.completions):
         raise ValueError(f"task {episode.task.task_id}: the policy returned no token ids or logprobs; RL needs "
                          "a backend that has them (hf, vllm)")
+    check_masks(episode)
     input_ids, mask = encode_conversation(tokenizer, episode.messages, tools, max_length)
     aligned = align_behaviour(episode, input_ids, mask, tokenizer.eos_token_id, max_length)
     if aligned is not None:
-        segments, split = [Segment(input_ids, *aligned)], False
+        loss_mask, behaviour, masks = aligned
+        segments, split = [Segment(input_ids, loss_mask, behaviour, masks or None)], False
     else:
         segments, split = turn_segments(episode, tokenizer, tools, max_length), True
     return Rollout(episode.task.task_id, episode.sample, float(episode.reward), bool(episode.passed), segments,
@@ -174,12 +202,13 @@ def advantages_of(group: Group, loss_type: str) -> list[float] | None:
 
 def samples_of(group: Group, advantages: list[float]) -> list[Sample]:
     """The group's training samples: one per segment, each with its rollout's advantage."""
-    return [Sample(seg.input_ids, seg.loss_mask, a, seg.behaviour_logprobs)
+    return [Sample(seg.input_ids, seg.loss_mask, a, seg.behaviour_logprobs, seg.masks)
             for r, a in zip(group.rollouts, advantages, strict=True) for seg in r.segments]
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids, attention_mask, loss_mask [B, T], advantages [B] (+ behaviour_logprobs)."""
+    """Right-padded input_ids, attention_mask, loss_mask [B, T], advantages [B] (+ behaviour_logprobs; + the
+    token masks, flywheel.train.rl.loss.TokenMasks, when any token was sampled under one)."""
     if not samples:
         raise ValueError("no samples to collate")
     width = max(len(s.input_ids) for s in samples)
@@ -199,4 +228,19 @@ def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         for row, sample in enumerate(samples):
             behaviour[row, :len(sample.behaviour_logprobs)] = torch.tensor(sample.behaviour_logprobs)
         batch["behaviour_logprobs"] = behaviour
-    return batch
+    return batch | _collated_masks(samples)
+
+
+def _collated_masks(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+    """The samples' token masks as TokenMasks' three tensors (row, position, packed bits), or none."""
+    entries = [(row, position, bits) for row, sample in enumerate(samples)
+               for position, bits in sorted((sample.masks or {}).items())]
+    if not entries:
+        return {}
+    if len({len(bits) for _, _, bits in entries}) > 1:
+        raise ValueError(f"token masks of {sorted({len(b) for _, _, b in entries})} bytes in one batch: every mask "
+                         "must cover the same vocabulary (the logits' width)")
+    rows, positions, bits = zip(*entries, strict=True)
+    return dict(zip(MASK_KEYS, (torch.tensor(rows, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                                torch.from_numpy(np.stack([np.asarray(b, dtype=np.uint8) for b in bits]))),
+                    strict=True))

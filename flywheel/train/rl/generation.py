@@ -7,6 +7,7 @@ flywheel.train.rl.loop is the same whichever it drives: `take` a step's groups, 
 from __future__ import annotations
 
 import copy
+import os
 import time
 from pathlib import Path
 
@@ -19,6 +20,23 @@ from flywheel.train.rl.batch import Group
 from flywheel.train.rl.buffer import RolloutBuffer
 from flywheel.train.rl.source import Work
 from flywheel.train.rl.weights import WeightBoard
+
+
+def actors_for(cfg: RLConfig) -> int:
+    """rl.actors as a number. `auto`: one per rl.actor_devices entry when those are named, 1 under vLLM (which
+    runs only in an actor); else 0 where an actor process cannot overlap the learner (max_staleness 0: it waits
+    for each version) or the machine has no core to spare for it (2 cores or fewer, or torch allowed 2 threads
+    or fewer: there the two only take turns, at the cost of a process; benchmarks/peer_rl.py), and 1 elsewhere."""
+    if cfg.actors != "auto":
+        return cfg.actors
+    if cfg.actor_devices:
+        return len(cfg.actor_devices)
+    if cfg.generation == "vllm":
+        return 1
+    if cfg.max_staleness == 0:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 0 if min(cores, torch.get_num_threads()) <= 2 else 1
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

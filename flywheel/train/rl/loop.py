@@ -27,7 +27,7 @@ from flywheel.contract import Task
 from flywheel.metrics import RL_LAST_REWARD, RL_REWARD, RL_SKIPPED_SHARE, RL_UPDATES
 from flywheel.train.rl.batch import Group, collate, samples_of
 from flywheel.train.rl.checkpoints import Checkpoints, LearnerState, fingerprint
-from flywheel.train.rl.generation import Actors, InProcess, Snapshots
+from flywheel.train.rl.generation import Actors, InProcess, Snapshots, actors_for
 from flywheel.train.rl.learner import learn_on_batch, learning_rate
 from flywheel.train.rl.monitor import Monitor
 from flywheel.train.rl.objective import Distill, Reward, objective_of
@@ -94,6 +94,7 @@ def train_rl(model_dir: Path, harness: Harness, tasks: list[Task], cfg: RLConfig
     from flywheel.devices import resolve_device
 
     learner_device = resolve_device(device, "student.device (the RL learner)")
+    cfg = cfg.model_copy(update={"actors": actors_for(cfg)})  # `auto` decided once, for this machine
     timing = _Timing()
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.learner_threads)
@@ -315,7 +316,7 @@ def _metrics(groups: list[Group], stale: list[Group], stats: dict, objective: Re
 def _summary(cfg: RLConfig, objective: Reward | Distill, rows: list[dict], history: list[dict], timing: _Timing,
              first: int) -> dict:
     now = time.perf_counter()
-    summary = {"steps": cfg.steps, "policy_version": cfg.steps, "episodes": len(rows),
+    summary = {"steps": cfg.steps, "policy_version": cfg.steps, "episodes": len(rows), "actors": cfg.actors,
                "resumed_from_step": first, "wall_time_s": now - timing.started,
                "steps_wall_s": now - timing.steps_started,
                "generate_s": timing.generate_s, "learn_s": timing.learn_s, "wait_s": timing.wait_s,

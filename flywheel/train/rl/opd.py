@@ -50,16 +50,20 @@ def distill_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tenso
 def exact_divergence(student: torch.Tensor, teacher: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL between two log-distributions [N, V] (the student's carries the gradient): `reverse`
     KL(student || teacher), `forward` KL(teacher || student); [N], each >= 0. A teacher's -inf (probability 0)
-    is read as e^-100, so the reverse KL stays finite where the student still gives such a token mass."""
+    is read as e^-100, so the reverse KL stays finite where the student still gives such a token mass. A token
+    the student's own -inf rules out (a token mask of constrained decoding, which the teacher's distributions
+    share) adds nothing to either."""
     if student.shape != teacher.shape:
         raise ValueError(f"the student's distributions are {tuple(student.shape)} and the teacher's "
                          f"{tuple(teacher.shape)}: the two models' output vocabularies differ")
-    teacher = teacher.detach().clamp(min=-100.0)
-    if kind == "reverse":
-        return (student.exp() * (student - teacher)).sum(-1)
-    if kind == "forward":
-        return (teacher.exp() * (teacher - student)).sum(-1)
-    raise ValueError(f"unknown divergence '{kind}' (exact ones: reverse, forward)")
+    if kind not in ("reverse", "forward"):
+        raise ValueError(f"unknown divergence '{kind}' (exact ones: reverse, forward)")
+    ruled_out = student == float("-inf")
+    # finite stand-ins where ruled out, so neither the sum nor its gradient meets 0 * inf
+    student = student.masked_fill(ruled_out, 0.0)
+    teacher = teacher.detach().clamp(min=-100.0).masked_fill(ruled_out, 0.0)
+    term = student.exp() * (student - teacher) if kind == "reverse" else teacher.exp() * (teacher - student)
+    return term.masked_fill(ruled_out, 0.0).sum(-1)
 
 
 def with_teacher(batch: dict[str, torch.Tensor], teacher) -> tuple[dict[str, torch.Tensor], dict[str, int]]:

@@ -75,25 +75,30 @@ class LocalTeacher:
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """log p_teacher(token t | tokens before t) at the batch's loss-mask positions, [B, T]; 0 elsewhere."""
-        from flywheel.train.rl.loss import token_logprobs
+        """log p_teacher(token t | tokens before t) at the batch's loss-mask positions, [B, T]; 0 elsewhere. Where
+        the student sampled under a token mask (constrained decoding), the teacher's distribution under the same
+        mask: the two policies compared as the harness runs them."""
+        from flywheel.train.rl.loss import TokenMasks, token_logprobs
 
         ids, attention, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"] > 0
+        masks, n = TokenMasks.of(batch), len(ids)
         parts = [token_logprobs(self.model, ids[i:i + self.chunk].to(self.device),
                                 attention[i:i + self.chunk].to(self.device),
-                                wanted=mask[i:i + self.chunk].to(self.device)).cpu()
-                 for i in range(0, len(ids), self.chunk)]
+                                wanted=mask[i:i + self.chunk].to(self.device),
+                                masks=masks and masks.select(slice(i, i + self.chunk), n)).cpu()
+                 for i in range(0, n, self.chunk)]
         return torch.cat(parts)
 
     @torch.no_grad()
     def distributions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      wanted: torch.Tensor) -> torch.Tensor:
+                      wanted: torch.Tensor, masks=None) -> torch.Tensor:
         """The teacher's whole next-token log-distribution at each wanted token, [N, V] in the row-major order
-        of `wanted` (rl.opd.divergence reverse or forward), on the device the ids came from."""
+        of `wanted` (rl.opd.divergence reverse or forward), on the device the ids came from; under the student's
+        token masks where given (flywheel.train.rl.loss.TokenMasks: -inf where disallowed)."""
         from flywheel.train.rl.loss import token_distributions
 
         return token_distributions(self.model, input_ids.to(self.device), attention_mask.to(self.device),
-                                   wanted.to(self.device))[1].to(input_ids.device)
+                                   wanted.to(self.device), masks=masks)[1].to(input_ids.device)
 
     def close(self) -> None:
         """Nothing held but memory."""
