@@ -15,7 +15,7 @@ from flywheel.agent import Harness, Limits
 from flywheel.checkpoints import load_student
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies.base import Sampling
-from flywheel.policies.hf import ConstrainedUnavailable, HFPolicy
+from flywheel.policies.hf import HFPolicy
 
 
 @pytest.fixture(scope="module")
@@ -241,12 +241,3 @@ def test_the_constraint_hook_masks_the_rows_it_constrains_and_records_the_masks(
         assert constrained.logprobs[position] == pytest.approx(float(expected[constrained.token_ids[position]]),
                                                               abs=1e-5)
     assert constrained.logprobs[3] == pytest.approx(0.0, abs=1e-6)  # only the end token was allowed
-
-
-def test_constrained_without_the_constraint_module_is_a_clear_error(tiny_student, env, monkeypatch):
-    monkeypatch.setitem(sys.modules, "flywheel.policies.constrained", None)  # as if it were not installed
-    policy = HFPolicy(tiny_student)
-    prompts = [t.prompt for t in islice(env.generate_tasks(6), 1)]
-    with pytest.raises(ConstrainedUnavailable, match="environment.constrained_tools"):
-        policy.generate(prompts, env.tools(), Sampling(max_new_tokens=4, constrained=True))
-    assert policy.generate(prompts, env.tools(), Sampling(max_new_tokens=4))  # unconstrained needs no module

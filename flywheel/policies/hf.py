@@ -19,10 +19,6 @@ from flywheel.policies.toolcalls import parse_completion
 KEPT_BYTES = 1 << 30
 
 
-class ConstrainedUnavailable(RuntimeError):
-    """Constrained tool calls asked for where flywheel.policies.constrained is not installed."""
-
-
 class HFPolicy:
     """Assistant turns from a causal LM through its chat template: a checkpoint it loads, or a live model it shares."""
 
@@ -156,15 +152,8 @@ class HFPolicy:
         """The rows' tool-call constraints (flywheel.policies.constrained) when sampling asks for them."""
         if not sampling.constrained:
             return None
-        try:
-            from flywheel.policies.constrained import row_constraints
-        except ModuleNotFoundError as err:
-            if err.name != "flywheel.policies.constrained":
-                raise
-            raise ConstrainedUnavailable(
-                "constrained tool calls were asked for (Sampling.constrained, the pipeline's "
-                "environment.constrained_tools) but flywheel.policies.constrained is not in this install: turn "
-                "environment.constrained_tools off or install a version of flywheel that has it") from err
+        from flywheel.policies.constrained import row_constraints  # llguidance: loaded only when asked for
+
         vocab = self.model.get_output_embeddings().weight.shape[0]
         return row_constraints(self.tokenizer, tools, sampling.tool_choice, n_rows, vocab)
 
