@@ -107,6 +107,24 @@ def tiny_student(tmp_path_factory) -> Path:
     return build_tiny_student(corpus, cfg, tmp_path_factory.mktemp("tiny-student"))
 
 
+def leaning_to_tool_calls(checkpoint: Path, eos_bias: float = 0.0):
+    """The tiny student with its head leaning to `<tool_call>` (and to its end token by eos_bias): sampled turns
+    often open a call they never close (a real model, its weights set). (model, tokenizer)."""
+    import torch
+
+    from flywheel.checkpoints import load_student
+
+    model, tokenizer = load_student(checkpoint)
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.get_output_embeddings().weight)
+        head.bias.zero_()
+        head.bias[tokenizer.convert_tokens_to_ids("<tool_call>")] = 4.0
+        head.bias[tokenizer.eos_token_id] = eos_bias
+    model.lm_head = head
+    return model, tokenizer
+
+
 @pytest.fixture(scope="session")
 def serve_tiny(tiny_student, tmp_path_factory):
     """serve_tiny(name, **server options): a context manager running `serve-model` on `name`@champion, version 1

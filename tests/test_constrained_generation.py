@@ -9,10 +9,9 @@ from itertools import islice
 import jsonschema
 import numpy as np
 import pytest
-import torch
+from conftest import leaning_to_tool_calls
 
 from flywheel.agent import Harness, Limits
-from flywheel.checkpoints import load_student
 from flywheel.envs.calculator import CalculatorEnv
 from flywheel.policies.base import Sampling
 from flywheel.policies.hf import HFPolicy
@@ -23,14 +22,7 @@ from flywheel.policies.toolcalls import TOOL_CALL
 def rambling(tiny_student):
     """The tests' tiny student with its head leaning to `<tool_call>`: unconstrained, its sampled calls are mostly
     malformed (a real model, its weights set)."""
-    model, tokenizer = load_student(tiny_student)
-    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.get_output_embeddings().weight)
-        head.bias.zero_()
-        head.bias[tokenizer.convert_tokens_to_ids("<tool_call>")] = 4.0
-    model.lm_head = head
-    return model, tokenizer
+    return leaning_to_tool_calls(tiny_student)
 
 
 def _turns(model, tokenizer, constrained: bool, tool_choice="auto"):

@@ -10,6 +10,7 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
+from conftest import leaning_to_tool_calls
 
 from flywheel.agent import Harness, Limits
 from flywheel.checkpoints import load_student
@@ -27,15 +28,7 @@ def env() -> CalculatorEnv:
 def talkative(tiny_student):
     """The tiny student with its head leaning to `<tool_call>`: sampled turns often open a call they never close,
     earn an error turn and go on, so episodes end at different turns (a real model, its weights set)."""
-    model, tokenizer = load_student(tiny_student)
-    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.get_output_embeddings().weight)
-        head.bias.zero_()
-        head.bias[tokenizer.convert_tokens_to_ids("<tool_call>")] = 4.0
-        head.bias[tokenizer.eos_token_id] = 2.0
-    model.lm_head = head
-    return model, tokenizer
+    return leaning_to_tool_calls(tiny_student, eos_bias=2.0)
 
 
 def _episodes(policy, env, sampling, n_tasks=6, samples=2):
