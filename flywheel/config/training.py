@@ -123,6 +123,10 @@ class SFTConfig(Section):
     launcher: Literal["single", "ddp", "fsdp"] = "single"
     processes: int = Field(2, ge=1)  # processes accelerate starts (one per GPU; gloo on CPU)
 
+    def planned_steps(self, n_examples: int) -> int:
+        """The optimiser steps SFT takes on n_examples training conversations."""
+        return self.steps
+
 
 class OPDConfig(EndpointConfig):
     """On-policy distillation (rl.objective opd or reward+opd): the teacher judges every token the student wrote.
