@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
-
 import sys
+from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from envs.library import books, loans  # noqa: E402
 
-BORROW = ("Hi, I'd like to borrow \"{t}\".", "Could I check out \"{t}\" today?", "Do you have \"{t}\"? I want to take it home.")
+BORROW = ("Hi, I'd like to borrow \"{t}\".", "Could I check out \"{t}\" today?",
+          "Do you have \"{t}\"? I want to take it home.")
 RENEW = ("Can I renew \"{t}\"? I haven't finished it.", "I need \"{t}\" a bit longer, please renew it.")
 
 
