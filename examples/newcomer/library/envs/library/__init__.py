@@ -167,11 +167,13 @@ def solve(messages: list[dict], state: sqlite3.Connection) -> dict:
 
 
 def _call(name: str, arguments: dict) -> dict:
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+    """An assistant message that calls one tool."""
+    call = {"id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
 
 
 def _say(text: str) -> dict:
+    """An assistant message that answers the patron."""
     return {"role": "assistant", "content": text}
 
 
