@@ -139,47 +139,68 @@ def load_harness(cfg, root: str | Path, pipeline: str | None = None) -> Harness:
 
 def _advance(env: Environment, policy: Policy, episodes: list[Episode], states: dict, tools: list[dict],
              sampling: Sampling, limits: Limits) -> None:
-    """Advance every episode one turn at a time, all conversations in one policy batch per turn."""
+    """Advance every episode to its end: in one batch that each conversation goes on in after its turns, where
+    the policy can (continues_turns: the hf policy), else one turn at a time, all conversations in one policy
+    batch per turn."""
+    errors_in_row = {id(e): 0 for e in episodes}
+
+    def most_tokens(active: list[Episode]) -> Sampling:
+        """A turn takes at most what is left of its episode's token budget (the longest left of a batch's)."""
+        if limits.max_tokens is None:
+            return sampling
+        left = max(limits.max_tokens - e.tokens for e in active)
+        return replace(sampling, max_new_tokens=max(1, min(sampling.max_new_tokens, left)))
+
+    if getattr(policy, "continues_turns", False) and not getattr(policy, "takes_states", False):
+        def then(i: int, completion: Completion) -> tuple[list[dict], int] | None:
+            episode = episodes[i]
+            if not _after_turn(env, episode, completion, states[id(episode)], limits, errors_in_row):
+                return None
+            return episode.messages, most_tokens([episode]).max_new_tokens
+
+        policy.generate([e.messages for e in episodes], tools, most_tokens(episodes), then=then)
+        return
     active = list(episodes)
     # the oracle reads the episode state (a model reads only the conversation)
     with_states = getattr(policy, "takes_states", False)
-    errors_in_row = {id(e): 0 for e in episodes}
-    for turn in range(limits.max_turns):
-        if not active:
-            break
+    while active:
         conversations = [e.messages for e in active]
-        completions = (policy.generate(conversations, tools, sampling, states=[states[id(e)] for e in active])
-                       if with_states else policy.generate(conversations, tools, sampling))
-        still_active = []
-        for episode, completion in zip(active, completions, strict=True):
-            episode.turns = turn + 1
-            episode.completions.append(completion)
-            message = dict(completion.message)
-            # ids unique within the conversation; copies, so the policy's own message is left as it was
-            calls = [{**call, "id": f"call_{turn}_{i}"} for i, call in enumerate(message.get("tool_calls") or [])]
-            if calls:
-                message["tool_calls"] = calls
-            episode.messages.append(message)
-            errors_in_row[id(episode)] = errors_in_row[id(episode)] + 1 if completion.error else 0
-            if completion.error:
-                episode.messages.append({"role": "user", "content": f"Error: {completion.error}"})
-                if limits.max_error_turns is not None and errors_in_row[id(episode)] >= limits.max_error_turns:
-                    episode.stop = "error_turns"
-                else:
-                    still_active.append(episode)
-            elif calls:
-                for call in calls:
-                    episode.messages.append({"role": "tool", "tool_call_id": call["id"],
-                                             "content": call_tool(env, call, limits.tool_timeout_s,
-                                                                  states[id(episode)])})
-                still_active.append(episode)
-            elif _user_speaks(env, episode, states[id(episode)]):
-                still_active.append(episode)
-        if limits.max_tokens is not None:
-            for episode in [e for e in still_active if e.tokens >= limits.max_tokens]:
-                episode.stop = "budget"
-                still_active.remove(episode)
-        active = still_active
+        turn = most_tokens(active)
+        completions = (policy.generate(conversations, tools, turn, states=[states[id(e)] for e in active])
+                       if with_states else policy.generate(conversations, tools, turn))
+        active = [e for e, completion in zip(active, completions, strict=True)
+                  if _after_turn(env, e, completion, states[id(e)], limits, errors_in_row)]
+
+
+def _after_turn(env: Environment, episode: Episode, completion: Completion, state: object, limits: Limits,
+                errors_in_row: dict[int, int]) -> bool:
+    """An assistant turn into its episode: its tool calls run, or the error shown, or the user's reply; whether
+    the episode goes on (within max_turns, max_error_turns and the token budget; its `stop` says why not)."""
+    turn = episode.turns
+    episode.turns = turn + 1
+    episode.completions.append(completion)
+    message = dict(completion.message)
+    # ids unique within the conversation; copies, so the policy's own message is left as it was
+    calls = [{**call, "id": f"call_{turn}_{i}"} for i, call in enumerate(message.get("tool_calls") or [])]
+    if calls:
+        message["tool_calls"] = calls
+    episode.messages.append(message)
+    errors_in_row[id(episode)] = errors_in_row[id(episode)] + 1 if completion.error else 0
+    if completion.error:
+        episode.messages.append({"role": "user", "content": f"Error: {completion.error}"})
+        if limits.max_error_turns is not None and errors_in_row[id(episode)] >= limits.max_error_turns:
+            episode.stop = "error_turns"
+            return False
+    elif calls:
+        for call in calls:
+            episode.messages.append({"role": "tool", "tool_call_id": call["id"],
+                                     "content": call_tool(env, call, limits.tool_timeout_s, state)})
+    elif not _user_speaks(env, episode, state):
+        return False
+    if limits.max_tokens is not None and episode.tokens >= limits.max_tokens:
+        episode.stop = "budget"
+        return False
+    return episode.turns < limits.max_turns  # past it, the episode's stop stays "max_turns"
 
 
 def _user_speaks(env: Environment, episode: Episode, state: object) -> bool:

@@ -44,7 +44,7 @@ def _turns(episodes):
 def test_kept_caches_give_the_turns_of_reading_every_turn_whole(talkative, env, temperature):
     model, tokenizer = talkative
     sampling = Sampling(temperature=temperature, max_new_tokens=16, seed=5)
-    kept = HFPolicy(model, tokenizer, batch_size=8)
+    kept = HFPolicy(model, tokenizer, batch_size=8, continuous=False)  # turn by turn, across calls
     reread = HFPolicy(model, tokenizer, batch_size=8, kept_bytes=0)
     with_cache, without = _episodes(kept, env, sampling), _episodes(reread, env, sampling)
     assert [e.turns for e in with_cache] == [e.turns for e in without]
@@ -61,6 +61,59 @@ def test_kept_caches_give_the_turns_of_reading_every_turn_whole(talkative, env, 
     assert kept.stats.read_tokens + kept.stats.reused_tokens == reread.stats.read_tokens + reread.stats.reused_tokens
     again = _episodes(kept, env, sampling)  # seeded: the same episodes again, whatever the cache held
     assert [c.token_ids for c in _turns(again)] == [c.token_ids for c in _turns(with_cache)]
+
+
+def _read_alone(model, tokenizer, tools, episode, temperature):
+    """Each turn of an episode read alone and whole: its tokens' logprobs under the tempered distribution."""
+    turns, conversation = [], list(episode.task.prompt)
+    for completion in episode.completions:
+        ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True)["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + completion.token_ids])).logits[0, len(ids) - 1:-1].float()
+        logits = logits / temperature if temperature else logits
+        chosen = torch.tensor(completion.token_ids)[:, None]
+        turns.append(torch.log_softmax(logits, -1).gather(1, chosen).squeeze(1).tolist())
+        at = episode.messages.index(completion_message(episode, completion), len(conversation))
+        conversation = episode.messages[:at + 1]
+        while len(conversation) < len(episode.messages) and episode.messages[len(conversation)]["role"] != "assistant":
+            conversation.append(episode.messages[len(conversation)])
+    return turns
+
+
+def completion_message(episode, completion):
+    """The assistant message the harness appended for a completion (its tool calls given ids)."""
+    n = episode.completions.index(completion)
+    return [m for m in episode.messages if m["role"] == "assistant"][n]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_episodes_that_go_on_in_one_batch_read_as_turn_by_turn_ones(talkative, env, temperature):
+    """continuous: whole episodes in one batch of 4 slots (12 conversations: the waiting take freed slots), rows
+    ending at different turns; the same turns as reading every turn whole (greedy), and every sampled token's
+    logprob that of its turn read alone."""
+    model, tokenizer = talkative
+    sampling = Sampling(temperature=temperature, max_new_tokens=16, seed=5)
+    going_on = HFPolicy(model, tokenizer, batch_size=4)
+    reread = HFPolicy(model, tokenizer, batch_size=4, kept_bytes=0)
+    assert going_on.continues_turns and not reread.continues_turns
+    episodes = _episodes(going_on, env, sampling)
+    assert max(e.turns for e in episodes) >= 3
+    assert going_on.stats.calls == 1 and going_on.stats.rows == 12  # one batch; the waiting took freed slots
+    if temperature:
+        assert len({e.turns for e in episodes}) >= 3
+        again = _episodes(HFPolicy(model, tokenizer, batch_size=4), env, sampling)  # seeded: reproduced
+        assert [c.token_ids for c in _turns(again)] == [c.token_ids for c in _turns(episodes)]
+    else:
+        whole = _episodes(reread, env, sampling)
+        assert [e.turns for e in episodes] == [e.turns for e in whole]
+        assert [m for e in episodes for m in e.messages] == [m for e in whole for m in e.messages]
+        for a, b in zip(_turns(episodes), _turns(whole), strict=True):
+            assert a.token_ids == b.token_ids and a.usage == b.usage
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    for episode in episodes:
+        alone = _read_alone(model, tokenizer, env.tools(), episode, temperature)
+        for completion, expected in zip(episode.completions, alone, strict=True):
+            assert completion.logprobs == pytest.approx(expected, abs=1e-4)
 
 
 def test_finished_rows_leave_the_batch_and_every_row_keeps_its_own_logprobs(talkative, env):
@@ -167,7 +220,7 @@ def test_the_kept_caches_stay_within_their_bound_and_last_one_call(talkative, en
     per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
         (model.config.hidden_size // model.config.num_attention_heads) * 4
     bound = 300 * per_token  # room for a couple of rows
-    small = HFPolicy(model, tokenizer, batch_size=8, kept_bytes=bound)
+    small = HFPolicy(model, tokenizer, batch_size=8, kept_bytes=bound, continuous=False)
     reread = HFPolicy(model, tokenizer, batch_size=8, kept_bytes=0)
     bounded, whole = _episodes(small, env, sampling), _episodes(reread, env, sampling)
     assert 0 < small.stats.kept_rows < small.stats.rows  # some rows were kept, the rest read again
@@ -175,7 +228,7 @@ def test_the_kept_caches_stay_within_their_bound_and_last_one_call(talkative, en
     assert [c.token_ids for c in _turns(bounded)] == [c.token_ids for c in _turns(whole)]
     # a call on other conversations leaves nothing of the episodes above but what it read from
     others = [t.prompt for t in islice(env.generate_tasks(9), 2)]
-    policy = HFPolicy(model, tokenizer, batch_size=8)
+    policy = HFPolicy(model, tokenizer, batch_size=8, continuous=False)
     _episodes(policy, env, sampling)
     policy.generate(others, env.tools(), Sampling(max_new_tokens=4))
     assert 2 <= len(policy.kept.entries) <= 2 + 2  # its two rows', and at most two it read openings from

@@ -186,7 +186,7 @@ def decode(model, sources: list[Source], sampling: Sampling, eos: int, pad: int,
     keys/values) where the cache is plain. Sampling draws from torch's global generator (the caller seeds it)."""
     device = next(model.parameters()).device
     plain = plain_model(model)
-    logits, cache, mask, position = _prefill(model, sources, pad, device, stats, plain, sampling.max_new_tokens)
+    logits, cache, mask, position = prefill(model, sources, pad, device, stats, plain, sampling.max_new_tokens)
     results = [Decoded() for _ in sources]
     fed = [list(s.ids) for s in sources]  # what each row's cache holds, by its mask's columns
     active = list(range(len(sources)))
@@ -194,17 +194,8 @@ def decode(model, sources: list[Source], sampling: Sampling, eos: int, pad: int,
     steps = 0
     while active:
         steps += 1
-        scores = logits.float()
-        if sampling.temperature > 0:
-            scores = scores / sampling.temperature
-        masked = _apply_constraints(scores, active, constraints) if constraints else {}
-        if sampling.temperature > 0:
-            if sampling.top_p < 1.0:
-                scores = top_p(scores, sampling.top_p)
-            chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-        else:
-            chosen = scores.argmax(dim=-1)
-        logprobs = torch.log_softmax(scores, dim=-1).gather(1, chosen[:, None]).squeeze(1)
+        chosen, logprobs, masked = sample_step(logits, sampling, [constraints[r] for r in active]
+                                               if constraints else None)
         stats.steps, stats.row_steps = stats.steps + 1, stats.row_steps + len(active)
         staying = []
         for slot, (row, token, logprob) in enumerate(zip(active, chosen.tolist(), logprobs.tolist(), strict=True)):
@@ -240,7 +231,25 @@ def decode(model, sources: list[Source], sampling: Sampling, eos: int, pad: int,
     return results
 
 
-def _prefill(model, sources: list[Source], pad: int, device, stats: DecodeStats, plain: bool, spare: int):
+def sample_step(logits: torch.Tensor, sampling: Sampling, constraints: list | None
+                ) -> tuple[torch.Tensor, torch.Tensor, dict[int, np.ndarray]]:
+    """One token for each row of `logits` (constraints: each row's, or None): the tokens, their logprobs under the
+    distribution sampled (temperature, the constraint's mask, top_p), and the masks applied by row."""
+    scores = logits.float()
+    if sampling.temperature > 0:
+        scores = scores / sampling.temperature
+    masked = _apply_constraints(scores, list(range(len(scores))), constraints) if constraints else {}
+    if sampling.temperature > 0:
+        if sampling.top_p < 1.0:
+            scores = top_p(scores, sampling.top_p)
+        chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    else:
+        chosen = scores.argmax(dim=-1)
+    logprobs = torch.log_softmax(scores, dim=-1).gather(1, chosen[:, None]).squeeze(1)
+    return chosen, logprobs, masked
+
+
+def prefill(model, sources: list[Source], pad: int, device, stats: DecodeStats, plain: bool, spare: int):
     """Read every row's unread rest over its kept cache: (last logits, cache, mask, next position per row)."""
     width_kept = max(s.reuse for s in sources)
     rests = [s.ids[s.reuse:] for s in sources]

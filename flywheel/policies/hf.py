@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from flywheel.policies.base import Completion, Sampling
-from flywheel.policies.decoding import DecodeStats, KeptCaches, Source, decode, plain_model
+from flywheel.policies.continuing import Next, decode_episodes
+from flywheel.policies.decoding import Decoded, DecodeStats, KeptCaches, Source, decode, plain_model
 from flywheel.policies.toolcalls import parse_completion
 
 # Kept caches between calls. A token costs 2 x layers x kv_heads x head_dim x 4 bytes in fp32: SmolLM2-135M
@@ -25,13 +27,14 @@ class HFPolicy:
     name = "hf"
 
     def __init__(self, model_or_path, tokenizer=None, batch_size: int = 64, device: str = "auto",
-                 precision: str = "fp32", kept_bytes: int = KEPT_BYTES):
+                 precision: str = "fp32", kept_bytes: int = KEPT_BYTES, continuous: bool = True):
         """A checkpoint path is loaded onto `device` (auto: CUDA when present); a live model stays where it is.
 
         precision: bf16 generates under bfloat16 autocast (the weights stay as they are): on a CPU with native
         bf16 about twice the tokens a second of fp32 (benchmarks/smol.py), greedy turns that may differ from
         fp32's where two tokens are nearly tied. kept_bytes: the most memory finished rows' caches keep between
-        calls for the next turn of their conversation (0: every turn is read whole)."""
+        calls for the next turn of their conversation (0: every turn is read whole). continuous: the harness's
+        episodes go on in one batch from turn to turn (continues_turns; not with kept_bytes 0)."""
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"precision: {precision!r} (fp32 or bf16)")
         if isinstance(model_or_path, (str, Path)):
@@ -54,6 +57,7 @@ class HFPolicy:
         # A model with sliding-window or linear layers gets neither kept caches nor the opening read once.
         self.plain = plain_model(self.model)
         self.kept = KeptCaches(kept_bytes if self.plain else 0)
+        self.continuous = continuous and self.plain and kept_bytes > 0
         self.stats = DecodeStats()
         self._lock = threading.Lock()
 
@@ -67,9 +71,21 @@ class HFPolicy:
         with self._lock:
             self.kept.clear()
 
-    def generate(self, conversations: Sequence[list[dict]], tools: list[dict],
-                 sampling: Sampling) -> list[Completion]:
-        """One completion per conversation, with the generated token ids and their sampling logprobs."""
+    @property
+    def continues_turns(self) -> bool:
+        """Whether `generate` takes `then`: whole episodes in one batch (flywheel.policies.continuing)."""
+        return self.continuous
+
+    def generate(self, conversations: Sequence[list[dict]], tools: list[dict], sampling: Sampling,
+                 then: Callable[[int, Completion], tuple[list[dict], int] | None] | None = None
+                 ) -> list[Completion]:
+        """One completion per conversation, with the generated token ids and their sampling logprobs.
+
+        then(i, completion): the harness's answer to conversation i's turn, its conversation as it now reads to
+        go on with (the turn, its tool results, the user's reply) and the most tokens the next turn may take, or
+        None where the episode is over; given it,
+        every conversation goes on in the same batch until its episode ends (continues_turns), and the last
+        completion of each is returned."""
         import torch
 
         device = next(self.model.parameters()).device
@@ -83,6 +99,8 @@ class HFPolicy:
             with torch.inference_mode(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 if sampling.seed is not None:
                     torch.manual_seed(sampling.seed)
+                if then is not None:
+                    return self._episodes(conversations, tools, sampling, device, then)
                 for start in range(0, len(conversations), self.batch_size):
                     chunk = conversations[start:start + self.batch_size]
                     started = time.perf_counter()
@@ -117,16 +135,57 @@ class HFPolicy:
             sources = self._sources(rows, device)
             decoded = decode(self.model, sources, sampling, tok.eos_token_id, pad, constraints, self.stats,
                              keep=keep if self.kept.max_bytes else None)
-        completions = []
-        for ids_in, row in zip(rows, decoded, strict=True):
-            ended = row.token_ids[-1] == tok.eos_token_id
-            text = tok.decode(row.token_ids[:-1] if ended else row.token_ids, skip_special_tokens=False)
-            completion = parse_completion(text)
-            completion.token_ids, completion.logprobs = row.token_ids, row.logprobs
-            completion.masks = row.masks or None
-            completion.usage = {"prompt_tokens": len(ids_in), "completion_tokens": len(row.token_ids)}
-            completions.append(completion)
-        return completions
+        return [self._completion(len(ids_in), row) for ids_in, row in zip(rows, decoded, strict=True)]
+
+    def _completion(self, prompt_tokens: int, row: Decoded) -> Completion:
+        tok = self.tokenizer
+        ended = row.token_ids[-1] == tok.eos_token_id
+        completion = parse_completion(tok.decode(row.token_ids[:-1] if ended else row.token_ids,
+                                                 skip_special_tokens=False))
+        completion.token_ids, completion.logprobs = row.token_ids, row.logprobs
+        completion.masks = row.masks or None
+        completion.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(row.token_ids)}
+        return completion
+
+    def _episodes(self, conversations: Sequence[list[dict]], tools: list[dict], sampling: Sampling, device,
+                  then: Callable[[int, Completion], tuple[list[dict], int] | None]) -> list[Completion]:
+        """Every conversation to the end of its episode in one batch of at most batch_size rows (generate's
+        `then`)."""
+        import torch
+
+        from flywheel.policies.toolcalls import canonical_messages
+
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+        def render(conversation: list[dict]) -> list[int]:
+            return tok.apply_chat_template(canonical_messages(conversation), tools=tools or None,
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+
+        rows = [render(c) for c in conversations]
+        constraints = self._constraints(tools, sampling, len(rows)) or [None] * len(rows)
+        sources = self._sources(rows, device)
+        prompts, started = [len(r) for r in rows], [time.perf_counter()] * len(rows)
+        last: list[Completion | None] = [None] * len(rows)
+
+        def ended(key: int, decoded: Decoded) -> Next | None:
+            completion = self._completion(prompts[key], decoded)
+            completion.latency_s = time.perf_counter() - started[key]
+            last[key] = completion
+            going_on = then(key, completion)
+            if going_on is None:
+                return None
+            conversation, max_new_tokens = going_on
+            ids = render(conversation)
+            prompts[key], started[key] = len(ids), time.perf_counter()
+            return Next(ids, max_new_tokens, (self._constraints(tools, sampling, 1) or [None])[0])
+
+        first = min(len(rows), self.batch_size)
+        waiting = deque((i, sources[i], constraints[i]) for i in range(first, len(rows)))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+            decode_episodes(self.model, sources[:first], constraints[:first], sampling, tok.eos_token_id, pad,
+                            self.stats, ended, waiting)
+        return last
 
     def _sources(self, rows: list[list[int]], device) -> list[Source]:
         """Each row with the longest kept cache it begins with; rows that share an opening longer than theirs (the
