@@ -1,6 +1,8 @@
 """A banking agent's whole conversations, logged the way a public benchmark logs its runs (tau-bench style).
 
-    python examples/agent_traces.py OUT.jsonl [--n 90] [--seed 0]
+    python examples/agent_traces.py OUT.jsonl[.gz] [--n 780] [--seed 0]
+
+(examples/traces/bank/nordbank-agent.jsonl.gz is its output with the defaults: 260 scenarios, 3 attempts each.)
 
 Each line is one attempt at a scenario, in a shape of its own (collect maps it, `shape: mapped`):
 
@@ -18,11 +20,13 @@ info.expected_actions, score: reward}`, `outcome: {score_threshold: 0.5}` and `c
 every attempt at a held-out scenario stays held out. A simulated user replays a scenario from its `user_goal`.
 
 A conversation opens with the problem but no member number; the agent asks for it, identifies the member
-(find_customer, list_accounts), does the reads and the writes (transfer_funds, block_card, create_ticket) of
-one to three requests, and says goodbye: 5 to 7 user turns and 5 to 9 calls, several in one turn at times, with
-call ids that start again at call_0 in every turn, as many agents write them. The attempts at a scenario open
-with other words and may make other reads; about one in five makes one wrong write (another amount, card or
-payment than asked) after the second user turn, and gets reward 0.0.
+(find_customer, list_accounts), does the reads and the writes of two or three requests of different kinds
+(a transfer, a disputed card payment, the balances, a lost or stolen card, the payments to a merchant, an ATM that
+paid no cash; at least one of them a write: transfer_funds, block_card or create_ticket), and says goodbye: 4 to
+8 user turns and 5 to 10 calls, several in one turn at times, with call ids that start again at call_0 in every
+turn, as many agents write them. The attempts at a scenario open with other words and may make other reads;
+about one in five makes one wrong write (another amount, card, payment or withdrawal than asked) and gets
+reward 0.0. Every turn is short: a small student (SmolLM2-135M) is to learn them.
 """
 
 from __future__ import annotations
