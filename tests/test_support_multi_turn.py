@@ -81,24 +81,21 @@ def test_the_null_policy_scores_zero(env, tasks):
     assert not any(e.passed for e in episodes) and max(e.reward for e in episodes) == 0.0
 
 
-class NeverAsks:
+def _answered_instead(completion: Completion) -> Completion:
+    """The oracle's message, or a closing answer where it asks the customer something."""
+    text = completion.message.get("content") or ""
+    if "Please tell me" in text or "Please confirm" in text:
+        return Completion(message={"role": "assistant", "content": "All done, thank you."}, token_ids=[])
+    return completion
+
+
+class NeverAsks(OraclePolicy):
     """The oracle, except that where it would ask the customer something it answers instead."""
 
     name = "never-asks"
-    takes_states = True
-
-    def __init__(self, env):
-        self.oracle = OraclePolicy(env)
 
     def generate(self, conversations, tools, sampling, states=None):
-        out = []
-        for completion in self.oracle.generate(conversations, tools, sampling, states=states):
-            text = completion.message.get("content") or ""
-            if "Please tell me" in text or "Please confirm" in text:
-                completion = Completion(message={"role": "assistant", "content": "All done, thank you."},
-                                        token_ids=[])
-            out.append(completion)
-        return out
+        return [_answered_instead(c) for c in super().generate(conversations, tools, sampling, states=states)]
 
 
 def test_a_student_that_never_asks_fails_the_withholding_tasks(env, tasks, solved):
