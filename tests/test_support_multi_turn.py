@@ -12,7 +12,7 @@ from flywheel.agent import Harness, Limits
 from flywheel.contract import STOP
 from flywheel.envs import get_environment
 from flywheel.envs.support.multi_turn import SLICES, customer
-from flywheel.envs.support.tasks import parse_request
+from flywheel.envs.support.tasks import _directory, parse_request
 from flywheel.policies.base import Completion
 from flywheel.policies.null import NullPolicy
 from flywheel.policies.oracle import OraclePolicy
@@ -152,3 +152,21 @@ def test_the_default_mode_is_unchanged_and_a_bad_mode_is_named():
     assert "Missing email" not in single.prompt[0]["content"]
     with pytest.raises(ValueError, match="mode must be one of single_turn, multi_turn"):
         get_environment("support", args={"mode": "chatty"})
+
+
+def test_a_recorded_conversation_is_read_back_as_the_task_it_was(env, solved):
+    """A task is its first message: a recorded conversation (another system prompt, as a log holds it) gives the
+    same task back, of every slice, and scores as it did; a customer with several orders who names none is no
+    task (which order they mean is theirs to say)."""
+    for slice_ in SLICES:
+        episode = _of(solved, slice_)[0]
+        recorded = [{"role": "system", "content": "You are a helpful agent."}, *episode.messages[1:]]
+        found = env.task_from_messages(recorded)
+        assert found is not None and (found.task_id, found.answer) == (episode.task.task_id, episode.task.answer)
+        assert env.score(found, recorded).passed
+    users, orders = _directory(0)
+    owned = collections.Counter(row[1] for row in orders.values())
+    for email, user_id in sorted(users.items()):
+        vague = env.task_from_messages([{"role": "user", "content": f"Hi! {email} here. Please cancel my order."}])
+        assert (vague is None) == (owned[user_id] > 1), email
+        assert vague is None or vague.slice == "ask_order"

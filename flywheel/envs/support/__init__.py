@@ -97,7 +97,7 @@ def _multi_turn_env(db_seed: int) -> Env:
         setup=open_episode,
         teardown=close_episode,
         solver=multi_turn.solve,
-        task_from_messages=functools.partial(task_from_messages, db_seed=db_seed),
+        task_from_messages=functools.partial(multi_turn.task_from_messages, db_seed=db_seed),
         user=multi_turn.customer,
     )
 

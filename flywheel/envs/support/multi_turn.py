@@ -18,7 +18,8 @@ with ###STOP### when the agent has answered and asks nothing it can give.
 The rubric scores the conversation as a whole: the default mode's parts on the final database and answer (the
 customer's last wish), and `asked`: the agent used a held-back detail only after the customer gave it, and wrote
 only after the customer confirmed. Every answer depends on the first message alone (an ask_order task's user has
-one order; a changes_mind opening is worded apart), so a task's id, its prompt's hash, says what it is.
+one order; a changes_mind opening is worded apart), so a task's id, its prompt's hash, says what it is: generated
+tasks are written as text and read back by `task_from_opening`, which reads a recorded conversation too.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ HESITANT = {"cancel": ["I'm thinking of cancelling order {oid}.", "Maybe cancel 
             "modify": ["I'm thinking of {speed} shipping for order {oid}.",
                        "Maybe switch order {oid} to {speed} shipping? Not sure yet."],
             "refund": ["I'm thinking of a refund for order {oid}.", "Maybe refund order {oid}? Not sure yet."]}
+HESITANT_WORDS = re.compile(r"thinking of|not sure yet", re.IGNORECASE)
 ASK = {"email": "your email", "order": "the order id"}
 MAX_USER_TURNS = 5
 
@@ -91,46 +93,69 @@ def generate(seed: int, db_seed: int, env: str = "support") -> Iterator[Task]:
 
 
 def _draw(rng: random.Random, wanted: str, email: str, oid: str, db_seed: int, env: str) -> Task | None:
-    """One task of slice `wanted` about `email` and `oid`, or None when the policy's outcome does not fit it."""
+    """A first message of slice `wanted` about `email` and `oid`, read back as a recorded one is; None when the
+    policy's outcome does not fit the slice."""
     kind = {"lookup": "lookup", "confirm": rng.choice(WRITE_KINDS), "changes_mind": rng.choice(WRITE_KINDS)}.get(
         wanted, rng.choice([*WRITE_KINDS, "lookup", "transfer"]))
     speed = rng.choice(SPEEDS)
     done = " I confirm." if kind in WRITE_KINDS and wanted not in ("confirm", "changes_mind") and \
         rng.random() < 0.5 else ""
-    withheld: dict[str, str] = {}
     if wanted == "ask_email":
-        text, withheld = f"{rng.choice(HELLO)} {rng.choice(REQUESTS[kind]).format(oid=oid, speed=speed)}{done}", \
-            {"email": email}
+        text = f"{rng.choice(HELLO)} {rng.choice(REQUESTS[kind]).format(oid=oid, speed=speed)}{done}"
     elif wanted == "ask_order":
-        text, withheld = _greet(rng, email) + rng.choice(VAGUE[kind]).format(speed=speed) + done, {"order": oid}
+        text = _greet(rng, email) + rng.choice(VAGUE[kind]).format(speed=speed) + done
     elif wanted == "changes_mind":
         text = _greet(rng, email) + rng.choice(HESITANT[kind]).format(oid=oid, speed=speed)
     else:
         text = _greet(rng, email) + rng.choice(REQUESTS[kind]).format(oid=oid, speed=speed) + done
-    request = _read(text, email, oid, bool(done))  # None: a wording the desk reads no intent in
-    first = plan(request, db_seed) if request else None
-    if first is None or not _fits(wanted, first):
+    task = task_from_opening(text, db_seed, env)
+    return task if task is not None and task.slice == wanted else None
+
+
+def task_from_opening(text: str, db_seed: int, env: str = "support") -> Task | None:
+    """The multi-turn task a customer's first message opens, or None when the desk cannot verify it.
+
+    A missing email is the order's owner's; a missing order id the customer's one order (none when they have more);
+    a hesitant write ("I'm thinking of ...", "Not sure yet") is a customer who will change their mind."""
+    users, orders = _directory(db_seed)
+    found_email, found_order = EMAIL.search(text), ORDER.search(text)
+    email = found_email.group().lower().rstrip(".") if found_email else None
+    oid = found_order.group() if found_order else None
+    withheld: dict[str, str] = {}
+    if email is None and oid in orders:
+        email = next(e for e, user_id in users.items() if user_id == orders[oid][1])
+        withheld = {"email": email}
+    elif oid is None and email in users:
+        mine = [o for o, row in orders.items() if row[1] == users[email]]
+        if len(mine) != 1:
+            return None  # which order they mean is theirs to say: no task to verify
+        oid = mine[0]
+        withheld = {"order": oid}
+    confirmed = bool(CONFIRM.search(text))
+    request = _read(text, email, oid, confirmed) if email and oid else None
+    first = plan(request, db_seed) if request else None  # None: no intent read, an unknown email or order
+    if first is None:
         return None
-    mind = _other_wish(kind, _directory(db_seed)[1][oid][4]) if wanted == "changes_mind" else None
+    changes_mind = not withheld and HESITANT_WORDS.search(text) is not None and first["outcome"] == "confirm"
+    mind = _other_wish(request.kind, orders[oid][4]) if changes_mind else None
     answer = plan(_read(mind or text, email, oid, True), db_seed)  # the last wish, confirmed when asked
-    if answer is None or answer["outcome"] == "confirm":
-        return None
-    answer.update(slice=wanted, withheld=withheld, mind=mind,
-                  asks_confirm=answer["kind"] in WRITE_KINDS and bool(answer["writes"]) and not done)
+    slice_ = ("changes_mind" if changes_mind else "ask_email" if "email" in withheld else
+              "ask_order" if withheld else first["slice"])
+    answer.update(slice=slice_, withheld=withheld, mind=mind,
+                  asks_confirm=answer["kind"] in WRITE_KINDS and bool(answer["writes"]) and not confirmed)
     prompt = [{"role": "system", "content": POLICY_MT}, {"role": "user", "content": text}]
     return Task(task_id=prompt_hash(prompt), env=env, prompt=prompt, answer=json.dumps(answer, sort_keys=True),
-                slice=wanted)
+                slice=slice_)
+
+
+def task_from_messages(messages: list[dict], db_seed: int = 0) -> Task | None:
+    """The task behind a recorded multi-turn conversation: its first user message, read as a generated one is."""
+    first = next((_text(m.get("content")) for m in messages if m.get("role") == "user"), None)
+    return task_from_opening(first, db_seed) if first else None
 
 
 def _greet(rng: random.Random, email: str) -> str:
     return rng.choice(GREETINGS).format(email=email) + " "
-
-
-def _fits(wanted: str, first: dict) -> bool:
-    """Whether the first message's outcome is one the slice is made of."""
-    if wanted in ("confirm", "changes_mind"):
-        return first["outcome"] == "confirm"
-    return {"lookup": first["outcome"] == "lookup", "refuse": first["outcome"] == "refuse"}.get(wanted, True)
 
 
 def _other_wish(kind: str, shipping: str) -> str:
