@@ -1,6 +1,8 @@
 """A banking agent's whole conversations, logged the way a public benchmark logs its runs (tau-bench style).
 
-    python examples/agent_traces.py OUT.jsonl [--n 90] [--seed 0]
+    python examples/agent_traces.py OUT.jsonl[.gz] [--n 780] [--seed 0]
+
+(examples/traces/bank/nordbank-agent.jsonl.gz is its output with the defaults: 260 scenarios, 3 attempts each.)
 
 Each line is one attempt at a scenario, in a shape of its own (collect maps it, `shape: mapped`):
 
@@ -18,16 +20,19 @@ info.expected_actions, score: reward}`, `outcome: {score_threshold: 0.5}` and `c
 every attempt at a held-out scenario stays held out. A simulated user replays a scenario from its `user_goal`.
 
 A conversation opens with the problem but no member number; the agent asks for it, identifies the member
-(find_customer, list_accounts), does the reads and the writes (transfer_funds, block_card, create_ticket) of
-one to three requests, and says goodbye: 5 to 7 user turns and 5 to 9 calls, several in one turn at times, with
-call ids that start again at call_0 in every turn, as many agents write them. The attempts at a scenario open
-with other words and may make other reads; about one in five makes one wrong write (another amount, card or
-payment than asked) after the second user turn, and gets reward 0.0.
+(find_customer, list_accounts), does the reads and the writes of two or three requests of different kinds
+(a transfer, a disputed card payment, the balances, a lost or stolen card, the payments to a merchant, an ATM that
+paid no cash; at least one of them a write: transfer_funds, block_card or create_ticket), and says goodbye: 4 to
+8 user turns and 5 to 10 calls, several in one turn at times, with call ids that start again at call_0 in every
+turn, as many agents write them. The attempts at a scenario open with other words and may make other reads;
+about one in five makes one wrong write (another amount, card, payment or withdrawal than asked) and gets
+reward 0.0. Every turn is short: a small student (SmolLM2-135M) is to learn them.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import random
@@ -36,19 +41,30 @@ from pathlib import Path
 
 SYSTEM = ("You are the support agent of NordBank. Identify the member by member number first, ask before you move "
           "money or open a ticket, and state amounts, ids and dates exactly as the tools return them.")
-FIRST_NAMES = ["Ana", "Ben", "Chloe", "Dev", "Emma", "Farid", "Gina", "Hugo", "Ines", "Jonas", "Kira", "Liam"]
-LAST_NAMES = ["Lee", "Novak", "Berg", "Okafor", "Silva", "Haddad", "Moreau", "Jensen", "Kowalski", "Rossi"]
-MERCHANTS = ["CoffeeCorner", "MetroRail", "BookNook", "GreenGrocer", "CinemaMax", "TechHub"]
+FIRST_NAMES = ["Ana", "Ben", "Chloe", "Dev", "Emma", "Farid", "Gina", "Hugo", "Ines", "Jonas", "Kira", "Liam",
+               "Maya", "Nils", "Omar", "Pia", "Rui", "Sofia", "Tomas", "Vera"]
+LAST_NAMES = ["Lee", "Novak", "Berg", "Okafor", "Silva", "Haddad", "Moreau", "Jensen", "Kowalski", "Rossi", "Tanaka",
+              "Nagy", "Dubois", "Costa"]
+MERCHANTS = ["CoffeeCorner", "MetroRail", "BookNook", "GreenGrocer", "CinemaMax", "TechHub", "PetPalace", "FitGym",
+             "PizzaPoint", "CityCab"]
+ATMS = ["Central Station", "Harbour Mall", "Main Street", "the airport"]
 
 GREETINGS = ["", "Hi!", "Hello.", "Good morning.", "Hi there.", "Hey."]
 ASK_MEMBER = ["Could you give me your member number, please?",
               "I can help with that. Could you give me your member number, please?",
               "Happy to help. What is your member number?"]
-GIVE_MEMBER = ["It's {member}.", "Sure, {member}.", "My member number is {member}.", "{member}", "Yes: {member}."]
-CONFIRM = ["Yes, please.", "Yes, go ahead.", "That's right, please do.", "Yes."]
+GIVE_MEMBER = ["It's {member}.", "Sure, {member}.", "My member number is {member}.", "{member}", "Yes: {member}.",
+               "{member}, thanks.", "Member number {member}."]
+CONFIRM = ["Yes, please.", "Yes, go ahead.", "That's right, please do.", "Yes.", "Correct, do it.", "Please do."]
 CLOSING = ["Thanks, that's all.", "Great, thank you. That's everything.", "Perfect, thanks. Bye!",
-           "That's all I needed, thanks."]
-GOODBYE = ["You're welcome. Have a nice day!", "Glad I could help. Goodbye!", "You're welcome, take care."]
+           "That's all I needed, thanks.", "Nothing else, thank you.", "All good, bye."]
+GOODBYE = ["You're welcome. Have a nice day!", "Glad I could help. Goodbye!", "You're welcome, take care.",
+           "Happy to help. Bye!"]
+
+
+def _json(value: object) -> str:
+    """JSON as the agent's logger writes it: compact."""
+    return json.dumps(value, separators=(",", ":"))
 
 
 def _tool(name: str, description: str, **params: str) -> dict:
@@ -122,10 +138,10 @@ class Chat:
         """One assistant turn making `calls` (name, arguments, result), then their results."""
         ids = [f"call_{i}" for i in range(len(calls))]
         self.messages.append({"role": "assistant", "content": None, "tool_calls": [
-            {"id": i, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+            {"id": i, "type": "function", "function": {"name": name, "arguments": _json(arguments)}}
             for i, (name, arguments, _) in zip(ids, calls, strict=True)]})
         for i, (_, _, result) in zip(ids, calls, strict=True):
-            self.messages.append({"role": "tool", "tool_call_id": i, "content": json.dumps(result)})
+            self.messages.append({"role": "tool", "tool_call_id": i, "content": _json(result)})
 
     def say(self, text: str) -> None:
         """An assistant answer; the first one after the member is identified thanks them by name."""
@@ -304,11 +320,90 @@ class Block:
                  "A replacement can be ordered in the app.")
 
 
-Request = Transfer | Dispute | Balances | Block
-# The requests of a scenario, in order: every plan has a write and makes at least five calls in all.
-PLANS = [("transfer", "block"), ("dispute", "block"), ("balances", "transfer"), ("block", "dispute"),
-         ("transfer", "balances"), ("dispute", "transfer"), ("balances", "transfer", "block"),
-         ("block", "transfer"), ("transfer", "dispute", "block"), ("dispute", "balances")]
+
+@dataclass
+class Spending:
+    customer: Customer
+    merchant: str
+    payments: list[dict]  # the member's own payments to the merchant on checking, oldest first
+
+    def goal(self) -> str:
+        return f"you want to know how much you paid to {self.merchant} this month"
+
+    def openings(self) -> list[str]:
+        m = self.merchant
+        return [f"How much did I pay to {m} this month?", f"Can you list my payments to {m}?",
+                f"What did I spend at {m} lately?", f"I'd like to see my {m} payments."]
+
+    def asks(self) -> list[str]:
+        m = self.merchant
+        return [f"Also, how much did I pay to {m}?", f"And what did I spend at {m}?"]
+
+    def expected(self) -> list[dict]:
+        return []
+
+    def play(self, chat: Chat, first: bool, wrong: bool) -> None:
+        checking = self.customer.accounts["checking"]
+        chat.call(("search_transactions", {"account_id": checking, "query": self.merchant}, self.payments))
+        listed = " and ".join(f"{p['amount']:.2f} EUR on {p['date']}" for p in self.payments)
+        total = sum(p["amount"] for p in self.payments)
+        chat.say(f"You paid {self.merchant} {listed}: {total:.2f} EUR in all.")
+
+
+@dataclass
+class Atm:
+    customer: Customer
+    place: str
+    withdrawals: list[dict]  # two at the place's ATM, oldest first: the member got the cash of the first only
+
+    def goal(self) -> str:
+        return (f"the ATM at {self.place} took {self.withdrawals[-1]['amount']:.2f} EUR from your account but gave "
+                "you no cash, and you want it investigated")
+
+    def openings(self) -> list[str]:
+        a, p = f"{self.withdrawals[-1]['amount']:.2f}", self.place
+        return [f"The ATM at {p} took {a} EUR but gave me no cash.", f"I withdrew {a} EUR at {p} and got nothing.",
+                f"An ATM at {p} charged me {a} EUR without giving me the money.",
+                f"No cash came out of the {p} ATM, but {a} EUR is gone."]
+
+    def asks(self) -> list[str]:
+        a, p = f"{self.withdrawals[-1]['amount']:.2f}", self.place
+        return [f"Also, the ATM at {p} took {a} EUR and gave me no cash.",
+                f"One more thing: I got no cash at {p}, but {a} EUR was taken."]
+
+    def _summary(self, withdrawal: dict) -> str:
+        return f"No cash paid out at ATM {self.place} for withdrawal {withdrawal['transaction_id']}"
+
+    def expected(self) -> list[dict]:
+        return [{"name": "create_ticket", "arguments": {"customer_id": self.customer.customer_id,
+                                                        "summary": self._summary(self.withdrawals[-1])}}]
+
+    def play(self, chat: Chat, first: bool, wrong: bool) -> None:
+        checking, failed = self.customer.accounts["checking"], self.withdrawals[-1]
+        chat.call(("search_transactions", {"account_id": checking, "query": f"ATM {self.place}"}, self.withdrawals))
+        chat.say(f"The failed one is {failed['transaction_id']}, {failed['amount']:.2f} EUR on {failed['date']}. "
+                 "Shall I open a ticket for it?")
+        chat.user(*CONFIRM)
+        chosen = self.withdrawals[0] if wrong else failed
+        ticket = f"TK-{4000 + self.customer.number}"
+        chat.call(("create_ticket", {"customer_id": self.customer.customer_id, "summary": self._summary(chosen)},
+                   {"ticket_id": ticket, "status": "open", "created": chat.day}))
+        chat.say(f"I opened ticket {ticket} for withdrawal {chosen['transaction_id']}. We reply within 5 days.")
+
+
+Request = Transfer | Dispute | Balances | Block | Spending | Atm
+# the calls each kind of request makes at least, and the kinds that write: a scenario is 2 or 3 requests of
+# different kinds, at least one a write, and at least five calls in all (find_customer and list_accounts first)
+MIN_CALLS = {"transfer": 2, "dispute": 2, "balances": 2, "block": 1, "spending": 1, "atm": 2}
+WRITES = ("transfer", "dispute", "block", "atm")
+
+
+def draw_plan(rng: random.Random) -> tuple[str, ...]:
+    """The kinds of a scenario's requests, in order."""
+    while True:
+        kinds = tuple(rng.sample(list(MIN_CALLS), 3 if rng.random() < 0.15 else 2))
+        if any(k in WRITES for k in kinds) and 2 + sum(MIN_CALLS[k] for k in kinds) >= 5:
+            return kinds
 
 
 def draw_request(rng: random.Random, kind: str, customer: Customer) -> Request:
@@ -325,6 +420,18 @@ def draw_request(rng: random.Random, kind: str, customer: Customer) -> Request:
         return Dispute(customer, merchant, payments)
     if kind == "balances":
         return Balances(customer)
+    if kind == "spending":
+        merchant = rng.choice(MERCHANTS)
+        days = sorted(rng.sample(range(1, 29), 2))
+        return Spending(customer, merchant, [
+            {"transaction_id": f"TX-{52000 + 1000 * i + customer.number}", "date": f"2026-10-{day:02d}",
+             "amount": round(rng.uniform(3, 60), 2), "merchant": merchant} for i, day in enumerate(days)])
+    if kind == "atm":
+        place = rng.choice(ATMS)
+        days = sorted(rng.sample(range(1, 29), 2))
+        return Atm(customer, place, [
+            {"transaction_id": f"TX-{54000 + 1000 * i + customer.number}", "date": f"2026-10-{day:02d}",
+             "amount": float(rng.randint(2, 20) * 10), "merchant": f"ATM {place}"} for i, day in enumerate(days)])
     return Block(customer, rng.choice(["debit", "credit"]), rng.choice(["stolen", "lost"]))
 
 
@@ -359,7 +466,7 @@ def draw_scenario(rng: random.Random, number: int) -> Scenario:
     """Scenario `number`: a customer with balances and a plan's requests drawn from `rng`."""
     customer = Customer(number, f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}",
                         {"checking": round(rng.uniform(900, 3000), 2), "savings": round(rng.uniform(1000, 9000), 2)})
-    return Scenario(number, customer, [draw_request(rng, kind, customer) for kind in PLANS[number % len(PLANS)]])
+    return Scenario(number, customer, [draw_request(rng, kind, customer) for kind in draw_plan(rng)])
 
 
 def conversation(rng: random.Random, scenario: Scenario, opening: str, day: str, wrong_at: int | None) -> list[dict]:
@@ -405,11 +512,13 @@ def records(n: int, seed: int = 0, trials: int = 3, failed_share: float = 0.2) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--n", type=int, default=90)
+    parser.add_argument("--n", type=int, default=780)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(r) + "\n" for r in records(args.n, args.seed)))
+    text = "".join(_json(r) + "\n" for r in records(args.n, args.seed)).encode()
+    # gzipped when the name says so: collect reads .jsonl.gz as it reads .jsonl
+    args.out.write_bytes(gzip.compress(text, mtime=0) if args.out.suffix == ".gz" else text)
     print(f"{args.out}: {args.n} conversations")
 
 

@@ -120,7 +120,7 @@ def test_servings_loop_ends_a_malformed_policys_episodes(tmp_path, tasks):
 
 
 def test_the_pipelines_set_the_budgets_and_auto_actors():
-    for name in ("demo", "support", "rl-lift", "smol", "support-smol", "replay"):
+    for name in ("demo", "support", "rl-lift", "smol", "support-smol", "support-mt", "replay"):
         cfg = load_pipeline(name, ROOT / "pipelines.yaml")
         assert cfg.environment.max_error_turns == 1, name  # a malformed call ends the episode, as TRL's
         assert cfg.rl.actors == "auto", name

@@ -108,7 +108,7 @@ def test_missing_file_and_unknown_pipeline(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         load_pipelines(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match=r"no pipeline named 'prod' \(have: demo, replay, rl-lift, smol, support, "
-                                          r"support-smol\)"):
+                                          r"support-mt, support-smol\)"):
         load_pipeline("prod", _write(tmp_path, _demo()))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import yaml
 
 from flywheel.agent import Harness, Limits, call_tool
 from flywheel.config import ConfigError, ReplayConfig, UserConfig, load_pipeline, load_pipelines
-from flywheel.contract import ToolError, conversation_hash, prompt_hash
+from flywheel.contract import ToolError, conversation_hash, prompt_hash, split_of
 from flywheel.data.catalog import Catalog
 from flywheel.envs import load_environment
 from flywheel.envs.replay import ReplayEnv
@@ -100,6 +101,24 @@ def test_the_agent_is_multi_turn_with_attempts_at_each_scenario():
         openings = {a["messages"][1]["content"] for a in attempts}
         assert len(openings) == 3, "each attempt opens in its own words"
     assert len(TOOLS) >= 5 and sum(r["reward"] == 0.0 for r in written) >= 3
+
+
+def test_the_committed_logs_are_the_generators_and_hold_out_40_scenarios():
+    """examples/traces/bank: what agent_traces.py writes with its defaults; the replay pipeline's split (by
+    scenario) holds out at least 40 scenarios with an accepted attempt, and every request kind is in them."""
+    with gzip.open(REPO / "examples/traces/bank/nordbank-agent.jsonl.gz", "rt") as f:
+        committed = [json.loads(line) for line in f]
+    assert committed == json.loads(json.dumps(records(len(committed))))
+    collect = load_pipeline("replay", REPO / "pipelines.yaml").collect
+    assert collect.group_by == "task_id"
+    held = {r["task_id"] for r in committed
+            if r["reward"] == 1.0 and split_of(r["task_id"], collect.heldout_fraction) == "heldout"}
+    assert len(held) >= 40
+    kinds = {call["name"] for r in committed for call in r["info"]["expected_actions"]}
+    assert kinds == {"transfer_funds", "block_card", "create_ticket"}
+    goals = " ".join(r["info"]["user_goal"] for r in committed if r["task_id"] in held)
+    for wish in ("move", "dispute", "balances", "blocked", "how much you paid", "no cash"):
+        assert wish in goals, wish
 
 
 def test_every_accepted_trace_is_a_task_in_its_split(collected):

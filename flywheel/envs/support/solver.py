@@ -88,7 +88,11 @@ def solve(messages: list[dict], state: sqlite3.Connection | None = None) -> dict
         return _say("Please give me your email and the order id, and say what you need.")
     if len(requests) > 1:
         return _solve_hard(requests, messages, state)
-    request = requests[0]
+    return answer_request(requests[0], messages, state)
+
+
+def answer_request(request: Request, messages: list[dict], state: sqlite3.Connection | None = None) -> dict:
+    """The next step on one request: find_user, list_orders, get_order, the write the policy allows, the reply."""
     results = tool_results(messages)
     step = _identify(request.email, results)
     if step is not None:
