@@ -111,7 +111,10 @@ def rl_config(pipeline, steps: int, tasks_per_step: int, sync: bool):
 def run_project(student: Path, env, tasks, cfg, out: Path, limits) -> dict:
     """train_rl as the rl stage calls it, in the harness under the pipeline's limits (turns, error turns, the
     episode's token budget); the time to the last step and the tokens generated."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (as run_trl, before its clock)
+
     from flywheel.agent import Harness
+    from flywheel.policies.hf import HFPolicy  # noqa: F401  (the policy's modules, as TRL's trainer before its clock)
     from flywheel.train.rl.loop import train_rl
 
     steps: list[tuple[float, dict]] = []

@@ -155,6 +155,8 @@ class HFPolicy:
 
         from flywheel.policies.toolcalls import canonical_messages
 
+        if not conversations:
+            return []
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
