@@ -317,13 +317,19 @@ def stale(root: Path) -> str | None:
             return None
         return (f"{root / '.dvc'} makes {root} a DVC project, but {root / 'dvc.yaml'} does not exist, so no stage's "
                 f"output is versioned; write it: {REGENERATE} --root {root}")
-    differ = [root / name for name, text in dvc_files(root).items()
-              if not (root / name).is_file() or (root / name).read_text() != text]
-    if not differ:
+    wanted = dvc_files(root)
+    missing = [root / name for name in wanted if not (root / name).is_file()]
+    differ = [root / name for name, text in wanted.items() if root / name not in missing
+              and (root / name).read_text() != text]
+    if not missing and not differ:
         return None
-    return (f"{' and '.join(map(str, differ))} {'is' if len(differ) == 1 else 'are'} out of date with "
-            f"{root / 'pipelines.yaml'} (a pipeline or its collect sources changed, or the stages' code did), so "
-            f"`dvc repro` would track the wrong inputs; regenerate: {REGENERATE} --root {root}")
+    said = []
+    if differ:
+        said.append(f"{' and '.join(map(str, differ))} {'is' if len(differ) == 1 else 'are'} out of date with "
+                    f"{root / 'pipelines.yaml'} (a pipeline or its collect sources changed, or the stages' code did)")
+    if missing:
+        said.append(f"{', '.join(map(str, missing))} does not exist (dvc.yaml reads it)")
+    return f"{'; '.join(said)}, so `dvc repro` would track the wrong inputs; regenerate: {REGENERATE} --root {root}"
 
 
 def write_dvc_files(root: Path) -> list[Path]:

@@ -148,6 +148,8 @@ def test_a_project_outside_this_repository_gets_deps_that_exist_in_real_dvc(tmp_
     (root / CODE_FILE).write_text(other)
     assert set(json.loads(_dvc(root, "status", "--json", "collect@rooms").stdout)) == {"collect@rooms"}
     assert f"{root / CODE_FILE} is out of date" in stale(root)
+    (root / CODE_FILE).unlink()  # a dvc.yaml written by `python -m tasks.spec > dvc.yaml` alone
+    assert f"{root / CODE_FILE} does not exist" in stale(root)
 
     shutil.rmtree(root / ".dvc")
     (root / "dvc.yaml").unlink()
