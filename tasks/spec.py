@@ -257,6 +257,8 @@ def dvc_yaml(root: Path = PACKAGE_ROOT) -> str:
         else:
             table = {}
         slots = max((len(deps) for deps in table.values()), default=0)
+        if spec.name == "collect" and not own_code:
+            slots = max(slots, 1)  # collect has no other deps there: DVC wants a list that is not empty
         if slots or spec.name == "collect":
             # a `foreach` template has one deps list for all pipelines: each pipeline fills every slot, one with
             # fewer deps repeats its first (DVC accepts a path twice), one with none names a dep the stage has anyway

@@ -156,3 +156,21 @@ def test_a_project_outside_this_repository_gets_deps_that_exist_in_real_dvc(tmp_
     assert stale(root) is None  # no DVC here: nothing to be out of date (check prints a note)
     done = CliRunner().invoke(app, ["check", "--root", str(root)])
     assert done.exit_code == 0 and "is no DVC project" in done.output, done.output
+
+
+def test_a_builtin_environment_without_sources_outside_this_repository_gets_a_dep_in_real_dvc(tmp_path):
+    """Collect with no source folder and no environment files of its own (the calculator, `sources: []`) still
+    has one dep, flywheel-code.yaml, which DVC also reads as params."""
+    from tasks.spec import CODE_FILE, write_dvc_files
+
+    sections = dict.fromkeys(("student", "teacher", "synthesize", "sft", "rl", "evaluate", "gate"), {})
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"calc": {
+        "environment": {"name": "calculator", "train_tasks": 20, "heldout_tasks": 5},
+        "collect": {"sources": []}, **sections}}}))
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=tmp_path, check=True)
+    assert _dvc(tmp_path, "init", "-q").returncode == 0
+    write_dvc_files(tmp_path)
+    collect = yaml.safe_load((tmp_path / "dvc.yaml").read_text())["stages"]["collect"]
+    assert collect["foreach"] == {"calc": {"sources": [CODE_FILE]}} and collect["do"]["deps"] == ["${item.sources[0]}"]
+    dry = _dvc(tmp_path, "repro", "--dry", "collect@calc")
+    assert dry.returncode == 0, dry.stderr
