@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+# MLflow's INFO lines a fresh project root prints once, naming no choice of the user's ("Creating initial MLflow
+# database tables...", "Updating database tables"): its own loggers otherwise stay as MLflow sets them
+_QUIET_LOGGERS = ("mlflow.store.db.utils",)
 
 
 def state_dir(root: Path) -> Path:
@@ -38,6 +43,8 @@ def configure(root: Path) -> None:
         defaults["MLFLOW_S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    for name in _QUIET_LOGGERS:  # a level on the child logger: MLflow's import sets only its parent's
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 # Object storage is configured the boto3 way, once, for DVC's S3 remote, MLflow's artifacts and Prefect's results:

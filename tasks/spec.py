@@ -19,6 +19,8 @@ from flywheel.stages import ORDER
 from flywheel.train.students import resolve_student
 
 PACKAGE_ROOT = Path(flywheel.__file__).resolve().parent.parent
+CODE_FILE = "flywheel-code.yaml"  # a project outside this repository: each stage's code hash, dvc.yaml's params
+REGENERATE = "flywheel dvc-yaml"  # what writes dvc.yaml (and CODE_FILE): flywheel/cli/pipeline.py
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,7 @@ def source_deps(cfg: PipelineConfig) -> list[str]:
 
 
 def dvc_yaml(root: Path = PACKAGE_ROOT) -> str:
-    """dvc.yaml as these specs and root/pipelines.yaml imply it (`python -m tasks.spec > dvc.yaml`).
+    """dvc.yaml as these specs and root/pipelines.yaml imply it (`flywheel dvc-yaml` writes it, with dvc_files).
 
     Every stage is a `foreach` over the pipelines, so `collect@demo`, `sft@demo`, ... Collect's deps differ per
     pipeline (its own sources), as do those of every stage that runs episodes when a pipeline's environment is
@@ -227,15 +229,20 @@ def dvc_yaml(root: Path = PACKAGE_ROOT) -> str:
     table written here, pipeline -> its own deps, each in a slot of the template. tests/test_spec.py
     checks the project's dvc.yaml against this; after changing a pipeline's sources or adding a pipeline,
     generate it again.
+
+    The stages' code is a dep only where it lies under the root (a checkout of this repository); a project
+    elsewhere runs the installed package, whose files are no paths of its own: there each stage's code hash is
+    a param read from CODE_FILE (code_params), which dvc_files writes next to dvc.yaml.
     """
     pipelines = load_pipelines(root / "pipelines.yaml")
+    own_code = holds_the_code(root)
     envs = {name: env_deps(cfg, root) for name, cfg in pipelines.items()}
     lines = [
         "# One DVC stage per pipeline stage and per pipeline in pipelines.yaml (`collect@demo`, `sft@demo`, ...).",
         "# Prefect runs the same stage functions (`flywheel run`); after each it commits the outputs here as",
         "# `dvc repro` would, so `dvc status` is clean after a run and `dvc repro` reruns only what changed.",
-        "# Generated from tasks/spec.py (the Prefect cache keys) and pipelines.yaml: `python -m tasks.spec > dvc.yaml`",
-        "# again after adding a pipeline, changing a pipeline's collect sources or its environment.",
+        "# Generated from tasks/spec.py (the Prefect cache keys) and pipelines.yaml: `flywheel dvc-yaml` again after",
+        "# adding a pipeline, changing a pipeline's collect sources or its environment.",
         "vars:", "  - pipelines.yaml", "", "stages:"]
     for spec in STAGES.values():
         lines.append(f"  {spec.name}:")
@@ -250,23 +257,28 @@ def dvc_yaml(root: Path = PACKAGE_ROOT) -> str:
         else:
             table = {}
         slots = max((len(deps) for deps in table.values()), default=0)
+        if spec.name == "collect" and not own_code:
+            slots = max(slots, 1)  # collect has no other deps there: DVC wants a list that is not empty
         if slots or spec.name == "collect":
             # a `foreach` template has one deps list for all pipelines: each pipeline fills every slot, one with
             # fewer deps repeats its first (DVC accepts a path twice), one with none names a dep the stage has anyway
             slot_name = "sources" if spec.name == "collect" else "env"
             lines.append("    foreach:")
             for name, deps in table.items():
-                filled = deps or [spec.code[0]]
+                filled = deps or [spec.code[0] if own_code else CODE_FILE]
                 filled = filled + filled[:1] * (slots - len(filled))
                 lines += [f"      {name}:", f"        {slot_name}: {json.dumps(filled)}"]
             extra = [f"${{item.{slot_name}[{i}]}}" for i in range(slots)]
         else:
             lines.append("    foreach: ${pipelines}")
         lines += ["    do:", f"      cmd: flywheel stage {spec.name} --pipeline ${{key}}", "      deps:"]
-        lines += [f"        - {d}" for d in extra + [d.replace("{p}", "${key}") for d in spec.deps] + list(spec.code)]
+        code = list(spec.code) if own_code else []
+        lines += [f"        - {d}" for d in extra + [d.replace("{p}", "${key}") for d in spec.deps] + code]
+        lines += ["      params:"] if spec.config or not own_code else []
         if spec.config:
-            lines += ["      params:", "        - pipelines.yaml:"]
-            lines += [f"            - pipelines.${{key}}.{section}" for section in spec.config]
+            lines += ["        - pipelines.yaml:"] + [f"            - pipelines.${{key}}.{s}" for s in spec.config]
+        if not own_code:
+            lines += [f"        - {CODE_FILE}:", f"            - {spec.name}"]
         lines.append("      outs:")
         for out in spec.outs:
             # the registration record is tiny and names MLflow state: tracked in dvc.lock, not cached
@@ -274,6 +286,61 @@ def dvc_yaml(root: Path = PACKAGE_ROOT) -> str:
                                                                    if spec.name == "register" else "")]
         lines.append("")
     return "\n".join(lines)
+
+
+def holds_the_code(root: Path) -> bool:
+    """Whether every stage's code file lies under root (a checkout of this repository): then dvc.yaml names them."""
+    return all((Path(root) / path).is_file() or (Path(root) / path).is_dir()
+               for spec in STAGES.values() for path in spec.code)
+
+
+def code_params() -> str:
+    """CODE_FILE's text: the installed flywheel's version and each stage's code hash (code_hash, the hash its
+    Prefect cache key holds), which dvc.yaml reads as params where the code is no path under the root."""
+    lines = ["# The flywheel's code each stage runs, as the hash of its files: dvc.yaml reads these as params, so",
+             "# `dvc repro` reruns a stage whose code changed. Generated with dvc.yaml by `flywheel dvc-yaml`; after",
+             "# installing another flywheel, `flywheel check` fails until you run it again.",
+             f"flywheel: {json.dumps(flywheel.__version__)}"]
+    return "\n".join(lines + [f"{name}: {code_hash(spec)}" for name, spec in STAGES.items()]) + "\n"
+
+
+def dvc_files(root: Path) -> dict[str, str]:
+    """The files `flywheel dvc-yaml` writes under root, name -> text: dvc.yaml, and CODE_FILE where the stages'
+    code is not under the root (holds_the_code)."""
+    return {"dvc.yaml": dvc_yaml(root)} | ({} if holds_the_code(root) else {CODE_FILE: code_params()})
+
+
+def stale(root: Path) -> str | None:
+    """Why root's dvc.yaml (or CODE_FILE) differs from what dvc_files would write, or None. A DVC project (a
+    .dvc/ folder) without dvc.yaml is named too: its runs would version nothing; a root without DVC is none."""
+    root = Path(root)
+    if not (root / "dvc.yaml").exists():
+        if not (root / ".dvc").is_dir():
+            return None
+        return (f"{root / '.dvc'} makes {root} a DVC project, but {root / 'dvc.yaml'} does not exist, so no stage's "
+                f"output is versioned; write it: {REGENERATE} --root {root}")
+    wanted = dvc_files(root)
+    missing = [root / name for name in wanted if not (root / name).is_file()]
+    differ = [root / name for name, text in wanted.items() if root / name not in missing
+              and (root / name).read_text() != text]
+    if not missing and not differ:
+        return None
+    said = []
+    if differ:
+        said.append(f"{' and '.join(map(str, differ))} {'is' if len(differ) == 1 else 'are'} out of date with "
+                    f"{root / 'pipelines.yaml'} (a pipeline or its collect sources changed, or the stages' code did)")
+    if missing:
+        said.append(f"{', '.join(map(str, missing))} does not exist (dvc.yaml reads it)")
+    return f"{'; '.join(said)}, so `dvc repro` would track the wrong inputs; regenerate: {REGENERATE} --root {root}"
+
+
+def write_dvc_files(root: Path) -> list[Path]:
+    """Write dvc_files(root) under root; the paths written."""
+    written = []
+    for name, text in dvc_files(root).items():
+        (Path(root) / name).write_text(text)
+        written.append(Path(root) / name)
+    return written
 
 
 if __name__ == "__main__":

@@ -139,18 +139,18 @@ def test_cli_check_fails_while_dvc_yaml_is_out_of_date(tmp_path):
     from typer.testing import CliRunner
 
     from flywheel.cli import app
-    from tasks.spec import dvc_yaml
+    from tasks.spec import write_dvc_files
 
     data = _demo()
     data["pipelines"] = {"demo": data["pipelines"]["demo"]}  # (replay's traces are not in tmp_path)
     _write(tmp_path, data)
-    (tmp_path / "dvc.yaml").write_text(dvc_yaml(tmp_path))
+    write_dvc_files(tmp_path)
     assert CliRunner().invoke(app, ["check", "--root", str(tmp_path)]).exit_code == 0
     data["pipelines"]["demo"]["collect"]["sources"] = ["logs/agent/*.jsonl"]  # collect@demo now reads logs/agent
     _write(tmp_path, data)
     result = CliRunner().invoke(app, ["check", "--root", str(tmp_path)])
     assert result.exit_code == 1
-    assert "dvc.yaml is out of date" in result.output and "python -m tasks.spec > dvc.yaml" in result.output
+    assert "dvc.yaml is out of date" in result.output and f"flywheel dvc-yaml --root {tmp_path}" in result.output
 
 
 def test_cli_check_names_a_missing_opd_teacher(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_dvc_yaml_is_generated_from_the_stage_specs():
-    assert (REPO / "dvc.yaml").read_text() == dvc_yaml(REPO), "run `python -m tasks.spec > dvc.yaml`"
+    assert (REPO / "dvc.yaml").read_text() == dvc_yaml(REPO), "run `flywheel dvc-yaml`"
     stages = yaml.safe_load(dvc_yaml())["stages"]
     assert list(stages) == list(ORDER)
     for name, spec in STAGES.items():
@@ -100,3 +101,76 @@ def test_every_stage_in_order_needs_exactly_one_spec():
         _in_order([s for s in specs if s.name != "rl"])
     with pytest.raises(RuntimeError, match=r"given twice for \['sft'\]"):
         _in_order([*specs, STAGES["sft"]])
+
+
+def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, capture_output=True, text=True, timeout=120)
+
+
+def test_a_project_outside_this_repository_gets_deps_that_exist_in_real_dvc(tmp_path):
+    """A user's own root (the newcomer's rooms project, in a new git repo with DVC): `flywheel dvc-yaml` writes
+    dvc.yaml, whose deps are all the project's own paths, and flywheel-code.yaml, each stage's code hash as a
+    param; `dvc repro --dry` runs, a changed code hash makes that stage stale, and check names either file stale."""
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+    from tasks.spec import CODE_FILE, code_params, holds_the_code, stale
+
+    root = tmp_path / "rooms"
+    shutil.copytree(REPO / "examples/newcomer/rooms", root, ignore=shutil.ignore_patterns("data", "models", ".*"))
+    config = yaml.safe_load((root / "pipelines.today.yaml").read_text())
+    config["pipelines"]["rooms"]["collect"] = {"sources": []}  # traces arrive later: no folder to depend on yet
+    (root / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=root, check=True)
+    assert _dvc(root, "init", "-q").returncode == 0
+    assert holds_the_code(REPO) and not holds_the_code(root)
+    assert stale(root) and "does not exist" in stale(root) and "flywheel dvc-yaml" in stale(root)
+
+    done = CliRunner().invoke(app, ["dvc-yaml", "--root", str(root)])
+    assert done.exit_code == 0, done.output
+    assert f"wrote {root.resolve() / CODE_FILE}" in done.output
+    assert stale(root) is None
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        deps = stage["do"]["deps"]
+        assert not any(d.startswith(("tasks/", "flywheel/", "examples/")) for d in deps), (name, deps)
+        assert stage["do"]["params"][-1] == {CODE_FILE: [name]}
+        for item in stage["foreach"].values() if isinstance(stage["foreach"], dict) else []:
+            assert all((root / d).exists() for slot in item.values() for d in slot), (name, item)
+    dry = _dvc(root, "repro", "--dry", "collect@rooms")
+    assert dry.returncode == 0, dry.stderr
+
+    (root / "data/rooms/collect").mkdir(parents=True)
+    (root / "data/rooms/collect/tasks.parquet").write_text("stands for the output")
+    assert _dvc(root, "commit", "--force", "collect@rooms").returncode == 0
+    assert json.loads(_dvc(root, "status", "--json", "collect@rooms").stdout or "{}") == {}
+    other = code_params().replace("\ncollect: ", "\ncollect: 0")  # another flywheel's collect code
+    (root / CODE_FILE).write_text(other)
+    assert set(json.loads(_dvc(root, "status", "--json", "collect@rooms").stdout)) == {"collect@rooms"}
+    assert f"{root / CODE_FILE} is out of date" in stale(root)
+    (root / CODE_FILE).unlink()  # a dvc.yaml written by `python -m tasks.spec > dvc.yaml` alone
+    assert f"{root / CODE_FILE} does not exist" in stale(root)
+
+    shutil.rmtree(root / ".dvc")
+    (root / "dvc.yaml").unlink()
+    assert stale(root) is None  # no DVC here: nothing to be out of date (check prints a note)
+    done = CliRunner().invoke(app, ["check", "--root", str(root)])
+    assert done.exit_code == 0 and "is no DVC project" in done.output, done.output
+
+
+def test_a_builtin_environment_without_sources_outside_this_repository_gets_a_dep_in_real_dvc(tmp_path):
+    """Collect with no source folder and no environment files of its own (the calculator, `sources: []`) still
+    has one dep, flywheel-code.yaml, which DVC also reads as params."""
+    from tasks.spec import CODE_FILE, write_dvc_files
+
+    sections = dict.fromkeys(("student", "teacher", "synthesize", "sft", "rl", "evaluate", "gate"), {})
+    (tmp_path / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"calc": {
+        "environment": {"name": "calculator", "train_tasks": 20, "heldout_tasks": 5},
+        "collect": {"sources": []}, **sections}}}))
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=tmp_path, check=True)
+    assert _dvc(tmp_path, "init", "-q").returncode == 0
+    write_dvc_files(tmp_path)
+    collect = yaml.safe_load((tmp_path / "dvc.yaml").read_text())["stages"]["collect"]
+    assert collect["foreach"] == {"calc": {"sources": [CODE_FILE]}} and collect["do"]["deps"] == ["${item.sources[0]}"]
+    dry = _dvc(tmp_path, "repro", "--dry", "collect@calc")
+    assert dry.returncode == 0, dry.stderr

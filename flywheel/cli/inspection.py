@@ -67,6 +67,9 @@ def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipe
     if all(not isinstance(cfg, ConfigError) for cfg in each.values()):
         stale = stale_dvc_yaml(root)  # generated from every pipeline: only comparable when every one loads
         errors += [stale] if stale else []
+        if not stale and not (root / "dvc.yaml").exists():
+            typer.echo(f"  note: {root} is no DVC project (no .dvc/ or dvc.yaml): stages cache under Prefect and no "
+                       "dataset is versioned; to version them, `dvc init` and `flywheel dvc-yaml`")
     else:
         typer.secho(f"  warning: {root / 'dvc.yaml'} not compared with {path} while a pipeline in it does not "
                     "load", fg=typer.colors.YELLOW)

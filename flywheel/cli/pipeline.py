@@ -62,6 +62,25 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yam
     print_summary(summary, root, time.monotonic() - started)
 
 
+@app.command("dvc-yaml", rich_help_panel=PANEL)
+@reported
+def dvc_yaml(root: Path = ROOT, check_only: bool = typer.Option(
+        False, "--check", help="Write nothing; exit 2 naming what is out of date (as `flywheel check` does).")) -> None:
+    """Write dvc.yaml for pipelines.yaml (one DVC stage per stage and pipeline), and flywheel-code.yaml with it in
+    a project outside the flywheel's own repository: again after adding a pipeline or changing its sources."""
+    from tasks.spec import stale, write_dvc_files
+
+    root = checked_root(root)
+    if check_only:
+        why = stale(root)
+        if why:
+            fail(why)
+        typer.echo(f"{root / 'dvc.yaml'}: up to date")
+        return
+    for path in write_dvc_files(root):
+        typer.echo(f"wrote {path}")
+
+
 @app.command(rich_help_panel=PANEL)
 @reported
 def stage(name: str = typer.Argument(..., help="collect, synthesize, sft, rl, evaluate or register."),

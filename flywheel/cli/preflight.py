@@ -147,12 +147,8 @@ def _teacher(root: Path, name: str, cfg, checked: Checked) -> None:
 
 
 def stale_dvc_yaml(root: Path) -> str | None:
-    """Why root/dvc.yaml no longer matches pipelines.yaml and the stage specs, or None (also: no dvc.yaml)."""
-    from tasks.spec import dvc_yaml
+    """Why root/dvc.yaml no longer matches pipelines.yaml and the stage specs, or is missing in a DVC project; or
+    None (tasks/spec.py stale)."""
+    from tasks.spec import stale
 
-    path = root / "dvc.yaml"
-    if not path.exists() or path.read_text() == dvc_yaml(root):
-        return None
-    return (f"{path} is out of date with {root / 'pipelines.yaml'} (a pipeline or its collect sources changed, or "
-            "the stages' code deps did), so `dvc repro` would track the wrong inputs; regenerate it: "
-            "python -m tasks.spec > dvc.yaml")
+    return stale(root)

@@ -2,9 +2,9 @@
 
 Two typed tools over a per-episode SQLite database, tasks from tasks.jsonl next to this file, a rubric (the
 database ends as it should and the answer states the order's status; each part logged) and a scripted solver
-the oracle teacher runs. A pipeline uses it as `environment: {factory: "examples.envs.shop:make_env"}`
-(importable from the project root; tests/test_example_env.py runs the whole loop on it, and
-`flywheel check PIPELINE --solve` dry-runs it).
+the oracle teacher runs. Copied into your project as envs/shop/, a pipeline uses it as `environment: {factory:
+"envs.shop:make_env"}` (the project root is importable); in this repository it is "examples.envs.shop:make_env"
+(tests/test_example_env.py runs the whole loop on it, and `flywheel check PIPELINE --solve` dry-runs it).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _call(name: str, arguments: dict) -> dict:
 
 
 def make_env() -> Env:
-    """The order desk (pipelines.yaml: environment: {factory: "examples.envs.shop:make_env"})."""
+    """The order desk (pipelines.yaml: environment: {factory: "envs.shop:make_env"} once copied to envs/shop/)."""
     return Env(
         name="shop",
         tools=[lookup_order, refund],
