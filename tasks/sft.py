@@ -5,16 +5,22 @@ from __future__ import annotations
 import json
 import shutil
 
+from flywheel.agent import Harness
 from flywheel.checkpoints import adapter_base
+from flywheel.config import PipelineConfig, SFTConfig
+from flywheel.contract import Task
+from flywheel.data.catalog import Catalog
 from flywheel.data.lineage import dvc_md5, log_dataset
+from flywheel.data.tasksets import row_task
 from flywheel.metrics import final_metrics
 from flywheel.stages import StageResult
 from flywheel.tags import ADAPTER_BASE_TAG
 from flywheel.train.context import check_fit, longest_collected
 from flywheel.train.sft import train_sft
+from flywheel.train.sft_validation import Validate, validation_slice
 from flywheel.train.tiny import build_tiny_student, render_conversation
 from tasks.kernel import stage_context, stage_task
-from tasks.progress import log_curve, progress
+from tasks.progress import log_curve
 
 
 @stage_task()
@@ -30,6 +36,12 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Sta
         accepted = synthetic[synthetic["accepted"]]
         if accepted.empty:
             raise ValueError(f"{catalog.table_path('synthetic')}: no accepted samples to train on")
+        validation = _validation_tasks(catalog, cfg.sft)
+        held_back = {t.task_id for t in validation}  # their conversations never train: they pick the checkpoint
+        accepted = accepted[~accepted["task_id"].isin(held_back)]
+        if accepted.empty:
+            raise ValueError(f"{catalog.table_path('synthetic')}: every accepted sample is of a validation task "
+                             f"(sft.validation_tasks {cfg.sft.validation_tasks}): lower it, or add train tasks")
         rows = [{"messages": json.loads(m), "tools": json.loads(t)}
                 for m, t in zip(accepted["messages"], accepted["tools"], strict=True)]
         # accepted production traces enter through synthesize.include_accepted_traces (teacher "trace")
@@ -44,23 +56,46 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Sta
         else:
             catalog.name_base(cfg.student.model)
         run.metrics({"train_conversations": len(rows), "conversations_from_teacher": len(rows) - from_traces,
-                     "conversations_from_traces": from_traces})
+                     "conversations_from_traces": from_traces, "validation_tasks": len(validation)})
         template = root_path / cfg.student.chat_template if cfg.student.chat_template else None
-        report = progress(run, "sft", cfg.sft.steps, "loss")
+        print(f"      sft: {len(rows)} conversations, about {cfg.sft.planned_steps(len(rows))} steps"
+              + (f", {len(validation)} validation tasks pick the checkpoint" if validation else ""), flush=True)
+        validate = _validator(stage.harness, validation, cfg) if validation else None
 
         def on_log(step: int, values: dict) -> None:
-            if "loss" in values:
-                report(step, values)
-            else:  # eval losses go to MLflow only: the progress line is about training steps
-                run.metrics(values, step=step)
+            run.metrics(values, step=step)  # the trainer prints the progress line itself
 
         result = train_sft(catalog.base_model(), rows, catalog.model_dir("sft"), cfg.sft, on_log=on_log,
                            chat_template=template,
                            accelerate_config=root_path / "infra" / "accelerate" / f"{cfg.sft.launcher}.yaml",
-                           device=cfg.student.device)
+                           device=cfg.student.device, validate=validate)
         run.metrics(final_metrics(result))
         log_curve(run, "sft")
         base_of_adapter = adapter_base(catalog.model_dir("sft"))
         if base_of_adapter:
             run.tags({ADAPTER_BASE_TAG: base_of_adapter})
         return stage.done(result)
+
+
+def _validation_tasks(catalog: Catalog, cfg: SFTConfig) -> list[Task]:
+    """sft.validation_tasks of the train tasks (flywheel.train.sft_validation); none when it is 0."""
+    if not cfg.validation_tasks:
+        return []
+    tasks = catalog.read("tasks")
+    return validation_slice([row_task(r) for r in tasks[tasks["split"] == "train"].to_dict("records")], cfg)
+
+
+def _validator(harness: Harness, tasks: list[Task], cfg: PipelineConfig) -> Validate:
+    """(live model, tokenizer) -> (pass rate, mean reward): greedy episodes through the harness, as evaluate
+    runs them (evaluate_policy), with evaluate's batch size and precision."""
+    from flywheel.evaluate.runner import evaluate_policy
+    from flywheel.policies.hf import HFPolicy
+
+    def validate(model, tokenizer) -> tuple[float, float]:
+        policy = HFPolicy(model, tokenizer, batch_size=cfg.evaluate.batch_size, precision=cfg.evaluate.precision)
+        rows = evaluate_policy(policy, harness, tasks, "sft validation").rows
+        if not rows:
+            return 0.0, 0.0
+        return (sum(bool(r["passed"]) for r in rows) / len(rows), sum(float(r["reward"]) for r in rows) / len(rows))
+
+    return validate
