@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from flywheel.checkpoints import CheckpointError
 from flywheel.cli import app
-from flywheel.config import ConfigError, load_pipeline
+from flywheel.config import load_pipeline
 from flywheel.train.students import SMOLLM2, StudentChoice, choose_student, require_installed
 
 REPO = Path(__file__).resolve().parent.parent
