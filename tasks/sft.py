@@ -7,7 +7,7 @@ import shutil
 
 from flywheel.agent import Harness
 from flywheel.checkpoints import adapter_base
-from flywheel.config import PipelineConfig, SFTConfig
+from flywheel.config import ConfigError, PipelineConfig, SFTConfig
 from flywheel.contract import Task
 from flywheel.data.catalog import Catalog
 from flywheel.data.lineage import dvc_md5, log_dataset
@@ -40,8 +40,10 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Sta
         held_back = {t.task_id for t in validation}  # their conversations never train: they pick the checkpoint
         accepted = accepted[~accepted["task_id"].isin(held_back)]
         if accepted.empty:
-            raise ValueError(f"{catalog.table_path('synthetic')}: every accepted sample is of a validation task "
-                             f"(sft.validation_tasks {cfg.sft.validation_tasks}): lower it, or add train tasks")
+            raise ConfigError(f"pipelines.yaml: pipelines.{pipeline}.sft.validation_tasks "
+                              f"{cfg.sft.validation_tasks}: every accepted sample in "
+                              f"{catalog.table_path('synthetic')} is of a validation task, none is left to train on: "
+                              "lower it, or give the environment more train tasks")
         rows = [{"messages": json.loads(m), "tools": json.loads(t)}
                 for m, t in zip(accepted["messages"], accepted["tools"], strict=True)]
         # accepted production traces enter through synthesize.include_accepted_traces (teacher "trace")

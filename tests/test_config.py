@@ -313,3 +313,14 @@ def test_one_bad_pipeline_does_not_stop_the_check_or_the_loading_of_another(tmp_
     assert "pipelines.demo" not in str(err.value)
     with pytest.raises(ConfigError, match="pipelines.broken.rl.group_size"):
         load_pipelines(path)  # every pipeline at once (dvc.yaml, `flywheel serve`): each must load
+
+
+def test_a_launcher_of_other_processes_takes_no_validation_slice(tmp_path):
+    from flywheel.train.students import resolve_student
+
+    with pytest.raises(ConfigError, match="validation_tasks picks the checkpoint in the training process"):
+        load_pipelines(_write(tmp_path, {"pipelines": {"p": {"environment": {"name": "support"},
+                                                             "sft": {"launcher": "ddp", "validation_tasks": 8}}}}))
+    cfg = load_pipelines(_write(tmp_path, {"pipelines": {"p": {"environment": {"name": "support"},
+                                                               "sft": {"launcher": "ddp"}}}}))["p"]
+    assert resolve_student(cfg, tmp_path)[0].sft.validation_tasks == 0  # the profile's slice is left out there

@@ -134,6 +134,14 @@ class SFTConfig(Section):
     # Steps between validation points; unset: at the end of each epoch. The last step is always a point.
     validate_every: int | None = Field(None, ge=1)
 
+    @model_validator(mode="after")
+    def _validation_in_process(self) -> SFTConfig:
+        if self.validation_tasks and self.launcher != "single":
+            raise ValueError(f"validation_tasks picks the checkpoint in the training process; launcher "
+                             f"'{self.launcher}' trains in others: set validation_tasks: 0 with it, or "
+                             "launcher: single")
+        return self
+
     def planned_steps(self, n_examples: int) -> int:
         """The optimiser steps SFT takes on n_examples training conversations: `steps` when set, else `epochs`
         passes of ceil(n_examples / batch_size) batches each (the last batch of a pass may be short, so a set

@@ -97,6 +97,8 @@ def with_profile(cfg: PipelineConfig, model: str, root: str | Path) -> PipelineC
     for section, values in profile(model, root, cfg.student.device).items():
         current = getattr(cfg, section)
         unset = {key: value for key, value in values.items() if key not in current.model_fields_set}
+        if section == "sft" and current.launcher != "single":  # the slice validates in the training process
+            unset.pop("validation_tasks", None)
         if unset:
             updates[section] = current.model_copy(update=unset)
     student = updates.get("student", cfg.student)
