@@ -7,7 +7,7 @@ import shutil
 
 from flywheel.agent import Harness
 from flywheel.checkpoints import adapter_base
-from flywheel.config import ConfigError, PipelineConfig, SFTConfig
+from flywheel.config import ConfigError, SFTConfig
 from flywheel.contract import Task
 from flywheel.data.catalog import Catalog
 from flywheel.data.lineage import dvc_md5, log_dataset
@@ -21,6 +21,8 @@ from flywheel.train.sft_validation import Validate, validation_slice
 from flywheel.train.tiny import build_tiny_student, render_conversation
 from tasks.kernel import stage_context, stage_task
 from tasks.progress import log_curve
+
+VALIDATION_BATCH = 64  # episodes generated together at a validation point (evaluate's default batch)
 
 
 @stage_task()
@@ -62,7 +64,7 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Sta
         template = root_path / cfg.student.chat_template if cfg.student.chat_template else None
         print(f"      sft: {len(rows)} conversations, about {cfg.sft.planned_steps(len(rows))} steps"
               + (f", {len(validation)} validation tasks pick the checkpoint" if validation else ""), flush=True)
-        validate = _validator(stage.harness, validation, cfg) if validation else None
+        validate = _validator(stage.harness, validation, cfg.sft.precision) if validation else None
 
         def on_log(step: int, values: dict) -> None:
             run.metrics(values, step=step)  # the trainer prints the progress line itself
@@ -87,14 +89,14 @@ def _validation_tasks(catalog: Catalog, cfg: SFTConfig) -> list[Task]:
     return validation_slice([row_task(r) for r in tasks[tasks["split"] == "train"].to_dict("records")], cfg)
 
 
-def _validator(harness: Harness, tasks: list[Task], cfg: PipelineConfig) -> Validate:
-    """(live model, tokenizer) -> (pass rate, mean reward): greedy episodes through the harness, as evaluate
-    runs them (evaluate_policy), with evaluate's batch size and precision."""
+def _validator(harness: Harness, tasks: list[Task], precision: str = "fp32") -> Validate:
+    """(live model, tokenizer) -> (pass rate, mean reward): greedy episodes through the harness, as evaluate runs
+    them (evaluate_policy), under the precision SFT trains in."""
     from flywheel.evaluate.runner import evaluate_policy
     from flywheel.policies.hf import HFPolicy
 
     def validate(model, tokenizer) -> tuple[float, float]:
-        policy = HFPolicy(model, tokenizer, batch_size=cfg.evaluate.batch_size, precision=cfg.evaluate.precision)
+        policy = HFPolicy(model, tokenizer, batch_size=VALIDATION_BATCH, precision=precision)
         rows = evaluate_policy(policy, harness, tasks, "sft validation").rows
         if not rows:
             return 0.0, 0.0

@@ -122,3 +122,24 @@ def test_the_sft_stage_validates_on_train_tasks_left_out_of_its_data(project, ca
     assert sorted(m.step for m in points) == [2, 4] and metrics["final_sft.val_kept_step"] in (2, 4)
     out = capsys.readouterr().out
     assert "sft: " in out and "8 validation tasks pick the checkpoint" in out and "sft step 1/4" in out
+
+
+def test_a_lora_student_is_validated_live_through_the_harness(tiny_student, rows, tmp_path):
+    from flywheel.config import LoRAConfig
+    from tasks.sft import _validator
+
+    env = CalculatorEnv()
+    tasks = list(islice(env.generate_tasks(99), 4))
+    seen = []
+    validate = _validator(Harness(env), tasks)
+
+    def recorded(model, tokenizer):
+        seen.append(type(model).__name__)
+        return validate(model, tokenizer)
+
+    cfg = SFTConfig(steps=2, batch_size=8, lr=5e-3, warmup_steps=0, max_length=128, eval_fraction=0.0,
+                    validate_every=1, lora=LoRAConfig(r=4, alpha=8))
+    result = train_sft(tiny_student, rows, tmp_path / "sft", cfg, validate=recorded)
+    assert seen == ["PeftModelForCausalLM"] * 2 and result["sft.val_points"] == 2
+    assert 0.0 <= result["sft.val_pass_rate_kept"] <= 1.0
+    assert (tmp_path / "sft" / "model.safetensors").exists()  # merged after the kept weights went back
