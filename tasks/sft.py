@@ -38,7 +38,7 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Sta
         accepted = synthetic[synthetic["accepted"]]
         if accepted.empty:
             raise ValueError(f"{catalog.table_path('synthetic')}: no accepted samples to train on")
-        validation = _validation_tasks(catalog, cfg.sft)
+        validation = _validation_tasks(catalog, cfg.sft, set(accepted["task_id"]))
         held_back = {t.task_id for t in validation}  # their conversations never train: they pick the checkpoint
         accepted = accepted[~accepted["task_id"].isin(held_back)]
         if accepted.empty:
@@ -81,12 +81,15 @@ def sft(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Sta
         return stage.done(result)
 
 
-def _validation_tasks(catalog: Catalog, cfg: SFTConfig) -> list[Task]:
-    """sft.validation_tasks of the train tasks (flywheel.train.sft_validation); none when it is 0."""
+def _validation_tasks(catalog: Catalog, cfg: SFTConfig, targets: set[str]) -> list[Task]:
+    """sft.validation_tasks of the train tasks with an accepted conversation, the tasks SFT would otherwise learn
+    from (not a slice synthesize.exclude_slices leaves out, nor one the teacher failed): see
+    flywheel.train.sft_validation; none when it is 0."""
     if not cfg.validation_tasks:
         return []
     tasks = catalog.read("tasks")
-    return validation_slice([row_task(r) for r in tasks[tasks["split"] == "train"].to_dict("records")], cfg)
+    train = tasks[(tasks["split"] == "train") & tasks["task_id"].isin(targets)]
+    return validation_slice([row_task(r) for r in train.to_dict("records")], cfg)
 
 
 def _validator(harness: Harness, tasks: list[Task], precision: str = "fp32") -> Validate:

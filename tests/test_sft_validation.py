@@ -108,12 +108,12 @@ def test_the_sft_stage_validates_on_train_tasks_left_out_of_its_data(project, ca
     train = tasks[tasks["split"] == "train"]
     from flywheel.data.tasksets import row_task
 
-    chosen = validation_slice([row_task(r) for r in train.to_dict("records")],
-                              SFTConfig(validation_tasks=8, seed=0))
-    chosen_ids = {t.task_id for t in chosen}
-    assert len(chosen_ids) == 8 and not chosen_ids & set(tasks.loc[tasks["split"] == "heldout", "task_id"])
     synthetic = catalog.read("synthetic")
     accepted = synthetic[synthetic["accepted"]]
+    taught = train[train["task_id"].isin(accepted["task_id"])]  # train tasks SFT would otherwise learn from
+    chosen = validation_slice([row_task(r) for r in taught.to_dict("records")], SFTConfig(validation_tasks=8, seed=0))
+    chosen_ids = {t.task_id for t in chosen}
+    assert len(chosen_ids) == 8 and not chosen_ids & set(tasks.loc[tasks["split"] == "heldout", "task_id"])
     client = MlflowClient()
     metrics = client.get_run(result.run_id).data.metrics
     assert metrics["validation_tasks"] == 8
