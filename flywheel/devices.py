@@ -62,3 +62,18 @@ def pin_visible_gpu(device: str, what: str = "device") -> None:
     if ids is not None and index >= len(ids):
         raise RuntimeError(f"{what}: {device!r} but CUDA_VISIBLE_DEVICES={visible} shows {len(ids)} GPU(s)")
     os.environ["CUDA_VISIBLE_DEVICES"] = ids[index] if ids is not None else str(index)
+
+
+def native_bf16(setting: str = "auto") -> bool:
+    """Whether bfloat16 runs natively where `setting` places a model: a CUDA GPU that supports it, or a CPU with
+    AVX-512 BF16 or AMX (/proc/cpuinfo's flags). Elsewhere bf16 is emulated and slower than fp32."""
+    if setting != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            return bool(torch.cuda.is_bf16_supported())
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:  # not Linux: no way to tell here; fp32 is never the slow choice
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})

@@ -13,6 +13,9 @@ SFT_LOSS = "loss"  # per SFT logging step: the training loss (the SFT learning c
 RL_REWARD = "reward_mean"  # per RL step: the mean reward of the step's rollouts (the RL learning curve)
 # the learning curve each training stage logs per step: a PNG of its run, a figure in `flywheel compare --html`
 CURVES = {"sft": SFT_LOSS, "rl": RL_REWARD}
+# SFT's validation slice (flywheel/train/sft_validation.py): per validation point, at its step
+SFT_VAL_PASS_RATE = "sft.val_pass_rate"  # share of the validation tasks the rubric passes
+SFT_VAL_REWARD = "sft.val_reward"  # their mean reward
 SFT_LAST_LOSS = "final_loss"  # train_sft's summary: the last logged training loss
 RL_LAST_REWARD = "reward_mean_last"  # train_rl's summary: the last step's reward_mean
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import flywheel
 from flywheel.checkpoints import CheckpointError, file_md5, gguf_file, is_gguf
-from flywheel.config import PipelineConfig, load_pipeline, load_pipelines
+from flywheel.config import PipelineConfig, load_pipeline, load_pipelines, read_pipelines_file
 from flywheel.data.catalog import content_hash
 from flywheel.data.sources import local_files
 from flywheel.envs import environment_sources
@@ -65,7 +65,9 @@ def _in_order(specs: list[StageSpec]) -> dict[str, StageSpec]:
 STAGES: dict[str, StageSpec] = _in_order([
     StageSpec("collect", (), ("environment", "collect"), ("data/{p}/collect",)),
     StageSpec("synthesize", ("data/{p}/collect",), ("environment", "teacher", "synthesize"), ("data/{p}/synthesize",)),
-    StageSpec("sft", ("data/{p}/synthesize",), ("student", "sft"), ("models/{p}/base", "models/{p}/sft")),
+    # environment and collect's tasks: the validation slice of train tasks (sft.validation_tasks) runs episodes
+    StageSpec("sft", ("data/{p}/collect", "data/{p}/synthesize"), ("environment", "student", "sft"),
+              ("models/{p}/base", "models/{p}/sft")),
     StageSpec("rl", ("data/{p}/collect", "models/{p}/sft"), ("environment", "rl"), ("models/{p}/rl", "data/{p}/rl")),
     StageSpec("evaluate", ("data/{p}/collect", "data/{p}/synthesize", "data/{p}/rl", "models/{p}/base",
                            "models/{p}/sft", "models/{p}/rl"), ("environment", "evaluate", "gate"),
@@ -158,8 +160,8 @@ def input_key(stage: str, pipeline: str, root: Path, cfg: PipelineConfig | None 
     """The content of a stage's inputs, config sections and code: equal keys mean equal work."""
     spec = STAGES[stage]
     cfg = cfg or load_pipeline(pipeline, root / "pipelines.yaml")
-    if "student" in spec.config:  # the student `auto` picks, not the word: another pick is other work
-        cfg, _ = resolve_student(cfg, root)
+    # the student `auto` picks and its profile's settings, not the word: another pick is other work
+    cfg, _ = resolve_student(cfg, root)
     parts = [stage, pipeline, content_hash(spec.dep_paths(root, pipeline, cfg), root),
              cfg.section_hash(*spec.config), code_hash(spec)]
     if stage == "sft" and is_gguf(cfg.student.model):
@@ -236,6 +238,7 @@ def dvc_yaml(root: Path = PACKAGE_ROOT) -> str:
     """
     pipelines = load_pipelines(root / "pipelines.yaml")
     own_code = holds_the_code(root)
+    written = {name: set(raw) for name, raw in read_pipelines_file(root / "pipelines.yaml").items()}
     envs = {name: env_deps(cfg, root) for name, cfg in pipelines.items()}
     lines = [
         "# One DVC stage per pipeline stage and per pipeline in pipelines.yaml (`collect@demo`, `sft@demo`, ...).",
@@ -256,19 +259,30 @@ def dvc_yaml(root: Path = PACKAGE_ROOT) -> str:
             table = envs
         else:
             table = {}
+        # params: the sections each pipeline writes (one it leaves out takes defaults, and DVC refuses a params key
+        # missing from the file); when they differ, each pipeline names its own in slots as the deps are
+        params = {name: [f"pipelines.{name}.{s}" for s in spec.config if s in written[name]] for name in pipelines}
+        own_params = any(len(found) < len(spec.config) for found in params.values())
         slots = max((len(deps) for deps in table.values()), default=0)
         if spec.name == "collect" and not own_code:
             slots = max(slots, 1)  # collect has no other deps there: DVC wants a list that is not empty
-        if slots or spec.name == "collect":
+        if slots or spec.name == "collect" or own_params:
             # a `foreach` template has one deps list for all pipelines: each pipeline fills every slot, one with
             # fewer deps repeats its first (DVC accepts a path twice), one with none names a dep the stage has anyway
             slot_name = "sources" if spec.name == "collect" else "env"
             lines.append("    foreach:")
-            for name, deps in table.items():
-                filled = deps or [spec.code[0] if own_code else CODE_FILE]
-                filled = filled + filled[:1] * (slots - len(filled))
-                lines += [f"      {name}:", f"        {slot_name}: {json.dumps(filled)}"]
-            extra = [f"${{item.{slot_name}[{i}]}}" for i in range(slots)]
+            for name in pipelines:
+                lines.append(f"      {name}:")
+                if slots or spec.name == "collect":
+                    filled = table.get(name) or [spec.code[0] if own_code else CODE_FILE]
+                    filled = filled + filled[:1] * (slots - len(filled))
+                    lines.append(f"        {slot_name}: {json.dumps(filled)}")
+                if own_params:  # `environment` is always written: it fills the slots of the sections left out
+                    named = params[name] or [f"pipelines.{name}.environment"]
+                    named = named + named[:1] * (len(spec.config) - len(named))
+                    lines.append(f"        params: {json.dumps(named)}")
+            if slots or spec.name == "collect":
+                extra = [f"${{item.{slot_name}[{i}]}}" for i in range(slots)]
         else:
             lines.append("    foreach: ${pipelines}")
         lines += ["    do:", f"      cmd: flywheel stage {spec.name} --pipeline ${{key}}", "      deps:"]
@@ -276,7 +290,9 @@ def dvc_yaml(root: Path = PACKAGE_ROOT) -> str:
         lines += [f"        - {d}" for d in extra + [d.replace("{p}", "${key}") for d in spec.deps] + code]
         lines += ["      params:"] if spec.config or not own_code else []
         if spec.config:
-            lines += ["        - pipelines.yaml:"] + [f"            - pipelines.${{key}}.{s}" for s in spec.config]
+            lines += ["        - pipelines.yaml:"]
+            lines += [f"            - ${{item.params[{i}]}}" if own_params
+                      else f"            - pipelines.${{key}}.{section}" for i, section in enumerate(spec.config)]
         if not own_code:
             lines += [f"        - {CODE_FILE}:", f"            - {spec.name}"]
         lines.append("      outs:")

@@ -69,7 +69,8 @@ def test_the_key_follows_imports_inside_functions_and_names_loaded_at_run_time()
     assert {"flywheel/data/__init__.py", "flywheel/data/dvc.py", "flywheel/data/catalog.py"} <= set(code["register"])
     assert "tasks/reports.py" in code["rl"]
     # an environment is a module found by name: every stage that reads the environment section has the folder
-    assert [s for s in ORDER if "flywheel/envs" in code[s]] == ["collect", "synthesize", "rl", "evaluate"]
+    # sft: its validation slice runs episodes (sft.validation_tasks)
+    assert [s for s in ORDER if "flywheel/envs" in code[s]] == ["collect", "synthesize", "sft", "rl", "evaluate"]
     assert not any(Path(c).is_relative_to("flywheel/envs") for c in code["collect"][:-1]), "the folder stands alone"
     # a policy backend is a module found by kind: synthesize and evaluate call get_policy, register's served
     # model does inside a function (flywheel/serving/chat.py)
@@ -133,7 +134,7 @@ def test_an_edited_task_file_changes_the_key_of_every_stage_that_runs_the_enviro
     for edited in (root / "keyed_env" / "tasks.jsonl", root / "data_in" / "tasks.jsonl"):
         _tasks_file(edited, "edited")
         after = {stage: input_key(stage, "small", root) for stage in ORDER}
-        assert {s for s in ORDER if after[s] != before[s]} == runs_env == {"collect", "synthesize", "rl",
+        assert {s for s in ORDER if after[s] != before[s]} == runs_env == {"collect", "synthesize", "sft", "rl",
                                                                            "evaluate"}, edited
         before = after
     (root / "notes.txt").write_text("not the environment's")

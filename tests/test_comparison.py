@@ -61,7 +61,7 @@ def test_compare_reads_runs_the_stages_made_and_writes_html(project, tmp_path):
     stage_ids = {name: c.get_run(new).data.tags[f"stage.{name}.run_id"] for name in ("sft", "rl", "evaluate")}
     losses = [(m.step, m.value) for m in c.get_metric_history(stage_ids["sft"], metrics.SFT_LOSS)]
     rewards = [(m.step, m.value) for m in c.get_metric_history(stage_ids["rl"], metrics.RL_REWARD)]
-    assert [s for s, _ in sorted(losses)] == [2, 4]
+    assert [s for s, _ in sorted(losses)] == [1, 2, 4]  # the first step, then every log_every
     assert rows[0]["curves"]["sft loss"] == sorted(losses)
     assert rows[0]["curves"]["rl reward_mean"] == sorted(rewards) and len(rewards) == 2
 

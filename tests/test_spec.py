@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from flywheel.config import read_pipelines_file
 from flywheel.stages import ORDER
 from tasks.spec import STAGES, dvc_yaml, source_deps
 
@@ -22,9 +23,15 @@ def test_dvc_yaml_is_generated_from_the_stage_specs():
     assert (REPO / "dvc.yaml").read_text() == dvc_yaml(REPO), "run `flywheel dvc-yaml`"
     stages = yaml.safe_load(dvc_yaml())["stages"]
     assert list(stages) == list(ORDER)
+    written = {name: set(raw) for name, raw in read_pipelines_file(REPO / "pipelines.yaml").items()}
     for name, spec in STAGES.items():
         params = stages[name]["do"].get("params", [{}])[0].get("pipelines.yaml", [])
-        assert params == [f"pipelines.${{key}}.{section}" for section in spec.config], name
+        if params != [f"pipelines.${{key}}.{section}" for section in spec.config]:
+            # a pipeline that leaves a section out names only those it writes (DVC refuses a missing key)
+            assert params == [f"${{item.params[{i}]}}" for i in range(len(spec.config))], name
+            for pipeline, item in stages[name]["foreach"].items():
+                assert set(item["params"]) == {f"pipelines.{pipeline}.{s}" for s in spec.config
+                                               if s in written[pipeline]}, (name, pipeline)
 
 
 def test_every_code_dependency_exists():
@@ -118,9 +125,7 @@ def test_a_project_outside_this_repository_gets_deps_that_exist_in_real_dvc(tmp_
 
     root = tmp_path / "rooms"
     shutil.copytree(REPO / "examples/newcomer/rooms", root, ignore=shutil.ignore_patterns("data", "models", ".*"))
-    config = yaml.safe_load((root / "pipelines.today.yaml").read_text())
-    config["pipelines"]["rooms"]["collect"] = {"sources": []}  # traces arrive later: no folder to depend on yet
-    (root / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    # its pipelines.yaml as the newcomer wrote it: only `environment:` (collect's default: no sources, no folder)
     subprocess.run(["git", "init", "-q", "-b", "main"], cwd=root, check=True)
     assert _dvc(root, "init", "-q").returncode == 0
     assert holds_the_code(REPO) and not holds_the_code(root)
@@ -174,3 +179,22 @@ def test_a_builtin_environment_without_sources_outside_this_repository_gets_a_de
     assert collect["foreach"] == {"calc": {"sources": [CODE_FILE]}} and collect["do"]["deps"] == ["${item.sources[0]}"]
     dry = _dvc(tmp_path, "repro", "--dry", "collect@calc")
     assert dry.returncode == 0, dry.stderr
+
+
+def test_a_pipeline_of_only_its_environment_commits_in_real_dvc(project):
+    """DVC refuses to commit a stage whose params name a key missing from pipelines.yaml: a pipeline that leaves
+    sections out names only those it writes."""
+    config = yaml.safe_load((project / "pipelines.yaml").read_text())
+    config["pipelines"]["bare"] = {"environment": {"name": "calculator", "train_tasks": 20, "heldout_tasks": 5}}
+    (project / "pipelines.yaml").write_text(yaml.safe_dump(config))
+    (project / "dvc.yaml").write_text(dvc_yaml(project))
+    for out in STAGES["sft"].outs:  # the stage's outputs, as a run would leave them
+        (project / out.format(p="bare")).mkdir(parents=True)
+        (project / out.format(p="bare") / "weights").write_text("w")
+    (project / "data/bare/synthesize").mkdir(parents=True)
+    (project / "data/bare/collect").mkdir(parents=True)
+    done = subprocess.run([sys.executable, "-m", "dvc", "commit", "--force", "sft@bare"], cwd=project,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["sft@bare"]
+    assert list(lock["params"]["pipelines.yaml"]) == ["pipelines.bare.environment"]

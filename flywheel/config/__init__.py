@@ -91,17 +91,18 @@ class TriggerConfig(Section):
 
 
 class PipelineConfig(Section):
-    # Every stage section is required (`{}` takes the defaults): dvc.yaml reads each one as params, and
-    # DVC refuses a params key that is missing from the file.
+    # Only `environment` is required: a section left out takes its defaults, and the student's profile
+    # (flywheel/train/students.py) fills what the pipeline leaves unset. dvc.yaml names as params only the
+    # sections each pipeline writes (DVC refuses a params key missing from the file).
     environment: EnvironmentConfig
-    student: StudentConfig
-    teacher: TeacherConfig
-    collect: CollectConfig
-    synthesize: SynthesizeConfig
-    sft: SFTConfig
-    rl: RLConfig
-    evaluate: EvaluateConfig
-    gate: GateConfig
+    student: StudentConfig = StudentConfig()
+    teacher: TeacherConfig = TeacherConfig()
+    collect: CollectConfig = CollectConfig()
+    synthesize: SynthesizeConfig = SynthesizeConfig()
+    sft: SFTConfig = SFTConfig()
+    rl: RLConfig = RLConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    gate: GateConfig = GateConfig()
     schedule: ScheduleConfig | None = None  # none: no scheduled retrain (a trigger or a manual run still can)
     trigger: TriggerConfig | None = None  # none: no sensor watching the trace sources
 

@@ -138,8 +138,9 @@ class RedactionConfig(Section):
 
 
 class CollectConfig(Section):
-    # A string is a glob under the project root, `s3://bucket/prefix`, or `mlflow:EXPERIMENT`.
-    sources: list[SourceConfig] = [SourceConfig(path=["examples/traces/*.jsonl"])]
+    # A string is a glob under the project root, `s3://bucket/prefix`, or `mlflow:EXPERIMENT`. None: the tasks are
+    # the environment's own.
+    sources: list[SourceConfig] = []
     heldout_fraction: float = Field(0.1, gt=0, lt=1)
     # A record's field path (e.g. the logs' task id): every conversation of one group lands in the same split,
     # so other attempts at a held-out scenario never train; unset: each conversation is split by its opening.

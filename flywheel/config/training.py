@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, ClassVar, Literal
 
@@ -30,9 +31,10 @@ class TinyModelConfig(Section):
 
 
 class StudentConfig(Section):
-    # "tiny" builds the demo student from scratch; "auto" picks tiny for short prompts and SmolLM2-135M-Instruct for
-    # long ones (flywheel/train/students.py); anything else is a checkpoint folder, a hub id or a GGUF file.
-    model: str = "tiny"
+    # "auto" picks the tiny student for the calculator demo and SmolLM2-135M-Instruct (LoRA) for every other
+    # environment; "tiny" builds the demo student from scratch; anything else is a checkpoint folder, a hub id or a
+    # GGUF file. The chosen student's profile fills the keys a pipeline leaves unset (flywheel/train/students.py).
+    model: str = "auto"
     tiny: TinyModelConfig = TinyModelConfig()
     # A .jinja file (under the project root) with {% generation %} markers, for a student whose own template has
     # none and is not one TRL ships a training version of. When set it is used in place of the student's own.
@@ -102,7 +104,9 @@ class LoRAConfig(Section):
 
 
 class SFTConfig(Section):
-    steps: int = Field(600, ge=1)
+    # The optimiser steps; unset: `epochs` passes over the training conversations (planned_steps).
+    steps: int | None = Field(None, ge=1)
+    epochs: float = Field(3.0, gt=0)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(1e-3, gt=0)  # at 2e-3 the tiny student learns digit copying late or not (by seed)
     warmup_steps: int = Field(30, ge=0)
@@ -122,10 +126,35 @@ class SFTConfig(Section):
     # "single": in this process; "ddp"/"fsdp": `accelerate launch` with infra/accelerate/<launcher>.yaml.
     launcher: Literal["single", "ddp", "fsdp"] = "single"
     processes: int = Field(2, ge=1)  # processes accelerate starts (one per GPU; gloo on CPU)
+    # A validation slice of TRAIN tasks that picks the checkpoint: a count (1 or more) or a fraction of the train
+    # tasks (below 1), chosen by a seeded hash of their ids (sft.seed), their conversations left out of SFT's
+    # data. At every validation point the live student answers them greedily through the harness (evaluate's
+    # code) and the best pass rate is kept (ties: mean reward, then the later step). 0: off, the last step kept.
+    validation_tasks: float = Field(0, ge=0)
+    # Steps between validation points; unset: at the end of each epoch. The last step is always a point.
+    validate_every: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _validation_in_process(self) -> SFTConfig:
+        if self.validation_tasks and self.launcher != "single":
+            raise ValueError(f"validation_tasks picks the checkpoint in the training process; launcher "
+                             f"'{self.launcher}' trains in others: set validation_tasks: 0 with it, or "
+                             "launcher: single")
+        return self
 
     def planned_steps(self, n_examples: int) -> int:
-        """The optimiser steps SFT takes on n_examples training conversations."""
-        return self.steps
+        """The optimiser steps SFT takes on n_examples training conversations: `steps` when set, else `epochs`
+        passes of ceil(n_examples / batch_size) batches each (the last batch of a pass may be short, so a set
+        smaller than one batch is still a step a pass), rounded up."""
+        if self.steps is not None:
+            return self.steps
+        if n_examples <= 0:
+            return 0
+        return max(1, math.ceil(self.epochs * self.steps_per_epoch(n_examples)))
+
+    def steps_per_epoch(self, n_examples: int) -> int:
+        """The batches one pass over n_examples conversations takes."""
+        return math.ceil(n_examples / self.batch_size)
 
 
 class OPDConfig(EndpointConfig):

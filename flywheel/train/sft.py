@@ -24,6 +24,7 @@ from flywheel.config import SFTConfig
 from flywheel.metrics import SFT_LAST_LOSS
 from flywheel.policies.toolcalls import canonical_messages
 from flywheel.train.encoding import encode_conversation
+from flywheel.train.sft_validation import Validate
 from flywheel.train.templates import training_template
 
 FINGERPRINT = "flywheel-sft.json"
@@ -165,27 +166,40 @@ def _why_none_left(counts: dict[str, int], cfg: SFTConfig, longest_prompt: int) 
 
 def train_sft(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTConfig,
               on_log: Callable[[int, dict], None] | None = None, chat_template: str | Path | None = None,
-              accelerate_config: Path | None = None, device: str = "auto") -> dict:
+              accelerate_config: Path | None = None, device: str = "auto", validate: Validate | None = None) -> dict:
     """Fine-tune the checkpoint in base_dir on rows of {messages, tools}; save to out_dir; return final metrics.
 
     chat_template: a .jinja file to train with (student.chat_template); accelerate_config: the file for
     `accelerate launch` when cfg.launcher is not "single" (default infra/accelerate/<launcher>.yaml), which
-    then places the processes; device: student.device for the single launcher (auto: CUDA when present).
+    then places the processes; device: student.device for the single launcher (auto: CUDA when present);
+    validate: (model, tokenizer) -> (pass rate, mean reward) on the validation tasks (flywheel.train.sft_validation),
+    called at each validation point; the best point's weights are saved, not the last (single launcher only).
     """
     if cfg.launcher != "single":
+        if validate is not None:
+            raise ValueError(f"sft.validation_tasks picks the checkpoint in this process; sft.launcher: {cfg.launcher} "
+                             "trains in others: set sft.validation_tasks: 0 with it")
         return launch_sft(base_dir, rows, out_dir, cfg, on_log, chat_template, accelerate_config)
     from flywheel.train.sft_log import tokens_this_session
-    from flywheel.train.sft_trainer import FinishedRun
+    from flywheel.train.sft_trainer import FinishedRun, KeepBest
 
     out_dir = Path(out_dir)
     with _quiet_progress():
-        trainer, resume, counts = build_sft_trainer(base_dir, rows, out_dir, cfg, on_log, chat_template, device)
+        trainer, resume, counts = build_sft_trainer(base_dir, rows, out_dir, cfg, on_log, chat_template, device,
+                                                    validate)
         started = time.perf_counter()
         try:
             train_loss = float(trainer.train(resume_from_checkpoint=resume).training_loss)
         except FinishedRun:  # the checkpoint is the run's last step: its weights are saved as they are
             train_loss = None  # (the loss of the steps trained in this session: none)
         runtime = time.perf_counter() - started
+        keeper = next((c for c in trainer.callback_handler.callbacks if isinstance(c, KeepBest)), None)
+        if keeper is not None:
+            kept = keeper.selection.restore(trainer.model)
+            counts |= keeper.selection.summary()
+            if kept is not None:
+                print(f"      sft keeps step {kept} of {trainer.state.global_step} (best validation pass rate)",
+                      flush=True)
         eval_loss = _final_eval_loss(trainer)
         _save(trainer, out_dir, base_dir, cfg)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -237,13 +251,15 @@ def _merge_adapter(adapter: Path, base_dir: Path | str, tokenizer, out_dir: Path
 
 def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg: SFTConfig,
                       on_log: Callable[[int, dict], None] | None = None, chat_template: str | Path | None = None,
-                      device: str = "auto"):
-    """The configured SFTTrainer (dataset tokenized, labels masked), the checkpoint to resume from, and counts."""
+                      device: str = "auto", validate: Validate | None = None):
+    """The configured SFTTrainer (dataset tokenized, labels masked), the checkpoint to resume from, and counts.
+    Its length is cfg.planned_steps of the training conversations; with `validate`, a KeepBest callback."""
     import datasets
     from transformers import PrinterCallback
 
     from flywheel.train.sft_log import StepLog
-    from flywheel.train.sft_trainer import PlainLossSFTTrainer, StopIfFinished
+    from flywheel.train.sft_trainer import KeepBest, PlainLossSFTTrainer, StopIfFinished
+    from flywheel.train.sft_validation import Selection, validation_steps
 
     out_dir = Path(out_dir)
     if not rows:
@@ -259,21 +275,27 @@ def build_sft_trainer(base_dir: Path | str, rows: list[dict], out_dir: Path, cfg
     checkpoints = out_dir.parent / "sft-checkpoints"
     resume = _resume_point(checkpoints, _fingerprint(base_dir, records, cfg, template))
     heldout = bool(examples.heldout)
-    trainer = PlainLossSFTTrainer(model=model, args=_training_args(cfg, checkpoints, on_cpu, heldout),
+    steps = cfg.planned_steps(len(examples.train))
+    examples.counts["planned_steps"] = steps
+    callbacks = [StepLog(on_log), StopIfFinished()]
+    if validate is not None:
+        callbacks.append(KeepBest(validate, validation_steps(cfg, len(examples.train), steps), Selection(), on_log,
+                                  lambda line: print(line, flush=True)))
+    trainer = PlainLossSFTTrainer(model=model, args=_training_args(cfg, checkpoints, on_cpu, heldout, steps),
                                   train_dataset=datasets.Dataset.from_list(examples.train),
                                   eval_dataset=datasets.Dataset.from_list(examples.heldout) if heldout else None,
-                                  processing_class=tokenizer, callbacks=[StepLog(on_log), StopIfFinished()],
-                                  peft_config=_peft_config(cfg))
+                                  processing_class=tokenizer, callbacks=callbacks, peft_config=_peft_config(cfg))
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; on_log is the one outlet
     return trainer, resume, examples.counts
 
 
-def _training_args(cfg: SFTConfig, checkpoints: Path, on_cpu: bool, heldout: bool):
-    """TRL's SFTConfig for cfg: checkpoints saved to `checkpoints`, evaluation only with a held-out slice."""
+def _training_args(cfg: SFTConfig, checkpoints: Path, on_cpu: bool, heldout: bool, steps: int):
+    """TRL's SFTConfig for cfg and `steps` optimiser steps: checkpoints saved to `checkpoints`, evaluation only
+    with a held-out slice, a log (and a progress line) at the first step."""
     from trl import SFTConfig as TRLConfig
 
     return TRLConfig(
-        output_dir=str(checkpoints), max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
+        output_dir=str(checkpoints), max_steps=steps, per_device_train_batch_size=cfg.batch_size,
         per_device_eval_batch_size=cfg.batch_size, learning_rate=cfg.lr, lr_scheduler_type="cosine",
         warmup_steps=cfg.warmup_steps, seed=cfg.seed, data_seed=cfg.seed, max_length=cfg.max_length,
         # labels are built by tokenize_records (assistant tokens only), so TRL neither re-tokenises nor re-masks
@@ -281,10 +303,10 @@ def _training_args(cfg: SFTConfig, checkpoints: Path, on_cpu: bool, heldout: boo
         # TRL's defaults are for GPUs: bf16 and activation checkpointing on. Here bf16 (autocast over fp32
         # weights) only where sft.precision asks for it; checkpointing off.
         use_cpu=on_cpu, bf16=cfg.precision == "bf16", fp16=False, gradient_checkpointing=False,
-        activation_checkpointing=False, logging_steps=cfg.log_every,
+        activation_checkpointing=False, logging_steps=cfg.log_every, logging_first_step=True,
         eval_strategy="steps" if heldout else "no", eval_steps=cfg.eval_every,
         # About five checkpoints a run, at most 100 steps apart: a killed run loses little.
-        save_strategy="steps", save_steps=max(1, min(100, cfg.steps // 5)), save_total_limit=2,
+        save_strategy="steps", save_steps=max(1, min(100, steps // 5)), save_total_limit=2,
         report_to="none", disable_tqdm=True, include_num_input_tokens_seen="non_padding",
         dataloader_num_workers=0, ddp_find_unused_parameters=False,
     )

@@ -59,3 +59,22 @@ class StopIfFinished(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step >= state.max_steps:
             raise FinishedRun(f"resumed at step {state.global_step} of {state.max_steps}")
+
+
+class KeepBest(TrainerCallback):
+    """At each validation step (flywheel.train.sft_validation) the live student answers the validation tasks
+    through `validate`; the selection keeps the best point's weights, which train_sft puts back before saving."""
+
+    def __init__(self, validate, steps: list[int], selection, report, say):
+        self.validate, self.steps, self.selection, self.report, self.say = validate, set(steps), selection, report, say
+
+    def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if state.global_step not in self.steps or not state.is_world_process_zero:
+            return
+        pass_rate, reward = self.validate(model, processing_class)
+        point = self.selection.add(state.global_step, pass_rate, reward, model)
+        best = self.selection.best
+        self.say(f"      sft validation at step {state.global_step}/{state.max_steps}: pass rate {pass_rate:.3f}, "
+                 f"mean reward {reward:.3f} (best so far: step {best['step']})")
+        if self.report is not None:
+            self.report(state.global_step, {k: v for k, v in point.items() if k != "step"})
