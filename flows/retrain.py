@@ -121,7 +121,8 @@ def _summary(pipeline: str, results: dict[str, StageResult], ran: list[str], res
     return RetrainSummary(
         pipeline=pipeline, scores=gate.scores, gate_passed=gate.passed, gate_reasons=gate.reasons,
         version=registration["version"], pass_rates=gate.pass_rates, references=gate.references,
-        warnings=gate.warnings, refused=gate.refused,
+        warnings=[w for name in ORDER if name in results for w in results[name].warnings] + gate.warnings,
+        refused=gate.refused,
         aliases=sorted(registry.client().get_model_version(pipeline, registration["version"]).aliases),
         champion=current.version if current else None, ran=ran, restored=restored,
         cached=[n for n in ORDER if n not in ran and n not in restored], run_id=run_id, student=student)

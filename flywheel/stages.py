@@ -31,8 +31,10 @@ class StageResult:
     outputs: dict[str, str] = field(default_factory=dict)  # output path under the root -> content hash
     gate: GateReport | None = None  # evaluate: the gate report (data/<pipeline>/evaluate/gate.json)
     registration: dict | None = None  # register: the version and its aliases (registration.json)
+    warnings: list[str] = field(default_factory=list)  # what the run's summary should say (synthesize: failed tasks)
 
     def __setstate__(self, state: dict) -> None:
+        state = {"warnings": []} | state  # a result cached before stages had warnings
         # a result Prefect cached before the gate report was typed holds it as gate.json's dict
         if isinstance(state.get("gate"), Mapping):
             state = state | {"gate": GateReport.from_dict(state["gate"])}
