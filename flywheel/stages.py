@@ -110,6 +110,8 @@ class RetrainSummary:
     restored: list[str] = field(default_factory=list)  # the stages checked out from DVC, not run (a rerun)
     run_id: str = ""  # the pipeline's MLflow run
     student: str = ""  # which student trained, and why (`student.model: auto`)
+    seconds: dict[str, float] = field(default_factory=dict)  # stage -> wall seconds this run took for it
+    estimate: dict[str, float] = field(default_factory=dict)  # `flywheel check`'s estimate (estimate.<stage>_s)
 
     @classmethod
     def from_dict(cls, data: Mapping) -> RetrainSummary:
@@ -122,4 +124,5 @@ class RetrainSummary:
 
 
 _SUMMARY_ORDER = ("pipeline", "scores", "gate_passed", "gate_reasons", "version", "pass_rates", "references",
-                  "warnings", "refused", "aliases", "champion", "ran", "restored", "cached", "run_id", "student")
+                  "warnings", "refused", "aliases", "champion", "ran", "restored", "cached", "run_id", "student",
+                  "seconds", "estimate")
