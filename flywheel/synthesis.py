@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from flywheel.agent import Episode
-from flywheel.contract import Environment, conversation_hash
+from flywheel.contract import Environment, Task, conversation_hash
 
 
 @dataclass
@@ -31,6 +31,30 @@ class Selection:
     def distribution(self) -> dict[int, int]:
         """How many tasks kept k targets, by k (0 first)."""
         return dict(sorted(Counter(self.kept_per_task.values()).items()))
+
+    def metrics(self) -> dict:
+        """As the synthesize stage logs it: synth.samples, .rejected, .duplicates, the tasks where every sample
+        failed, and how many tasks kept k targets (synth.tasks_kept_<k>)."""
+        return {"synth.samples": self.samples, "synth.rejected": self.rejected, "synth.duplicates": self.duplicates,
+                "synth.tasks_all_failed": len(self.failed_tasks),
+                **{f"synth.tasks_kept_{k}": count for k, count in self.distribution().items()}}
+
+    def line(self, n: int) -> str:
+        """Rejected and duplicate samples and, with n > 1 samples a task, how many targets each task kept."""
+        if not self.samples:
+            return ""
+        said = f" ({self.rejected} failed the rubric, {self.duplicates} duplicate(s) dropped"
+        if n > 1:
+            said += "; tasks by targets kept: " + ", ".join(f"{k}: {c}" for k, c in self.distribution().items())
+        return said + ")"
+
+    def failed_warning(self, env: Environment, tasks: list[Task], shown: int = 3) -> str:
+        """The train tasks where every teacher sample failed: SFT has no target for them (the first few named)."""
+        by_id = {t.task_id: t for t in tasks}
+        names = "; ".join(env.describe_task(by_id[task_id]) for task_id in self.failed_tasks[:shown])
+        more = f" and {len(self.failed_tasks) - shown} more" if len(self.failed_tasks) > shown else ""
+        return (f"synthesize: on {len(self.failed_tasks)} of {len(self.kept_per_task)} train task(s) every teacher "
+                f"sample failed the rubric, so SFT has no target for them: {names}{more}")
 
 
 def select_targets(episodes: list[Episode], best_only: bool) -> set[int]:

@@ -22,7 +22,7 @@ from flywheel.data.tasksets import row_task
 from flywheel.policies import Policy, get_policy
 from flywheel.policies.base import Sampling
 from flywheel.stages import StageResult
-from flywheel.synthesis import Selection, sample_row, select, trace_rows
+from flywheel.synthesis import sample_row, select, trace_rows
 from flywheel.train.context import check_fit, longest_collected
 from tasks.kernel import stage_context, stage_task
 from tasks.progress import Meter
@@ -86,42 +86,14 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
                    **{f"teacher_{k}": v for k, v in sorted(stats.items())},
                    "cost_usd_spent": meter.cost(stats.get("tokens_in", 0), stats.get("tokens_out", 0))}
         metrics["traces_failed_rubric"] = len(traces) - metrics["traces_accepted"]
-        metrics |= selection_metrics(selection) if tasks else {}
-        print(f"      synthesize: {accepted} of {len(rows)} teacher samples accepted{_selection_line(selection, n)}"
+        metrics |= selection.metrics() if tasks else {}
+        print(f"      synthesize: {accepted} of {len(rows)} teacher samples accepted{selection.line(n)}"
               f"{_traces_line(traces)}", flush=True)
-        warnings = [failed_warning(selection, env, tasks)] if selection.failed_tasks else []
+        warnings = [selection.failed_warning(env, tasks)] if selection.failed_tasks else []
         for warning in warnings:
             print(f"      warning: {warning}", flush=True)
         stage.run.metrics(metrics)
         return stage.done(metrics, warnings=warnings)
-
-
-def selection_metrics(selection: Selection) -> dict:
-    """What rejection sampling did, as the stage logs it: synth.samples, .rejected, .duplicates, the tasks where
-    every sample failed, and how many tasks kept k targets (synth.tasks_kept_<k>)."""
-    return {"synth.samples": selection.samples, "synth.rejected": selection.rejected,
-            "synth.duplicates": selection.duplicates, "synth.tasks_all_failed": len(selection.failed_tasks),
-            **{f"synth.tasks_kept_{k}": count for k, count in selection.distribution().items()}}
-
-
-def _selection_line(selection: Selection, n: int) -> str:
-    """Rejected and duplicate samples and, with several samples a task, how many targets each task kept."""
-    if not selection.samples:
-        return ""
-    line = f" ({selection.rejected} failed the rubric, {selection.duplicates} duplicate(s) dropped"
-    if n > 1:
-        line += "; tasks by targets kept: " + ", ".join(f"{k}: {c}" for k, c in selection.distribution().items())
-    return line + ")"
-
-
-def failed_warning(selection: Selection, env: Environment, tasks: list[Task], shown: int = 3) -> str:
-    """The train tasks where every teacher sample failed: SFT has no target for them (the first few named)."""
-    failed = selection.failed_tasks
-    by_id = {t.task_id: t for t in tasks}
-    names = "; ".join(env.describe_task(by_id[task_id]) for task_id in failed[:shown])
-    more = f" and {len(failed) - shown} more" if len(failed) > shown else ""
-    return (f"synthesize: on {len(failed)} of {len(selection.kept_per_task)} train task(s) every teacher sample "
-            f"failed the rubric, so SFT has no target for them: {names}{more}")
 
 
 def _traces_line(traces: list[dict]) -> str:

@@ -113,3 +113,34 @@ def test_a_run_over_its_budget_without_a_terminal_stops_with_the_estimate(tmp_pa
     assert checked.returncode == 0, checked.stderr
     out = " ".join(checked.stdout.split())
     assert "estimated time" in out and "synthesize" in out and "total" in out and "over budget_minutes" in out
+
+
+def test_the_budget_is_no_stage_input_and_samples_and_seeds_are_synthesize_inputs(tmp_path):
+    """budget_minutes changes no stage's cache key (a rerun runs nothing); samples_per_task and the environment's
+    seed (the teacher's sampling seed) change synthesize's."""
+    from tasks.spec import input_key
+
+    def keys(**changes) -> dict[str, str]:
+        root = project(tmp_path / "p", **changes)
+        return {stage: input_key(stage, "p", root) for stage in ("collect", "synthesize", "sft", "rl", "evaluate")}
+
+    plain = keys()
+    assert keys(budget_minutes=5) == plain
+    assert keys(synthesize={"samples_per_task": 4})["synthesize"] != plain["synthesize"]
+    assert keys(environment={"seed": 1})["synthesize"] != plain["synthesize"]
+
+
+def test_samples_a_teacher_cannot_vary_are_a_warning_naming_the_key():
+    from flywheel.cli.preflight import same_samples
+    from flywheel.config import PipelineConfig
+
+    def cfg(teacher: dict, synthesize: dict) -> PipelineConfig:
+        return PipelineConfig.model_validate(PIPELINE | {"teacher": teacher, "synthesize": synthesize})
+
+    oracle = same_samples("p", cfg({"policy": "oracle"}, {"samples_per_task": 3}))
+    assert len(oracle) == 1 and "pipelines.p.synthesize.samples_per_task 3" in oracle[0] and "2 of" in oracle[0]
+    greedy = same_samples("p", cfg({"policy": "hf", "model": "m"}, {"samples_per_task": 2}))
+    assert len(greedy) == 1 and "temperature 0" in greedy[0]
+    assert same_samples("p", cfg({"policy": "hf", "model": "m"}, {"samples_per_task": 2, "temperature": 0.8})) == []
+    assert same_samples("p", cfg({"policy": "oracle", "error_rate": 0.2}, {"samples_per_task": 2})) == []
+    assert same_samples("p", cfg({"policy": "oracle"}, {})) == []

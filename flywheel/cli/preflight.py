@@ -96,7 +96,25 @@ def check_pipeline(root: Path, name: str, cfg, *, students: bool = True) -> Chec
         _context(root, name, cfg, checked)
     if students:
         _teacher(root, name, cfg, checked)
+        checked.warnings += same_samples(name, cfg)
     return checked
+
+
+def same_samples(name: str, cfg) -> list[str]:
+    """A teacher that cannot vary asked for several samples a task: they come out as one, and the duplicates are
+    dropped (a warning, not an error: the run is right, only slower than it need be)."""
+    n, teacher = cfg.synthesize.samples_per_task, cfg.teacher
+    if n == 1 or teacher.policy == "none":
+        return []
+    key = f"pipelines.{name}.synthesize.samples_per_task {n}"
+    if teacher.policy == "oracle" and not teacher.error_rate:
+        return [f"{key}: the oracle (a scripted solver) writes the same conversation every time, so {n - 1} of "
+                "every task's samples are dropped as duplicates; variety needs a sampling teacher (openai, vllm, "
+                "hf) with synthesize.temperature above 0"]
+    if teacher.policy != "oracle" and cfg.synthesize.temperature == 0:
+        return [f"{key} at synthesize.temperature 0: a greedy teacher writes each task's samples alike (dropped "
+                "as duplicates); set synthesize.temperature above 0 (e.g. 0.8) for variety"]
+    return []
 
 
 def _environment(root: Path, name: str, cfg, checked: Checked):
