@@ -30,6 +30,9 @@ STAGES = ("synthesize", "sft", "rl", "evaluate")
 SAMPLE_TASKS = 16  # train tasks whose conversations stand for all of them
 PADDING_DRAWS = 200  # random batches drawn to find the expected longest row of a batch (what SFT pads to)
 GENERATION_BATCH = 64  # the hf policy's batch (flywheel/policies/hf.py); evaluate's is evaluate.batch_size
+# Starting a stage and finishing it: its MLflow run, its outputs written, hashed and committed to DVC (2-4 s a
+# stage on the 2-core machine, measured on the small pipeline's collect and register): not measured by the probe.
+STAGE_OVERHEAD_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,10 @@ def estimate(name: str, cfg: PipelineConfig, harness: Harness, root: Path, refre
     seconds["sft"], inputs["sft"] = _sft(cfg, convs, examples, speed)
     seconds["rl"], inputs["rl"] = _rl(cfg, convs, speed)
     seconds["evaluate"], inputs["evaluate"] = _evaluate(cfg, convs, len(heldout), speed)
-    notes.append("rl's actors and learner counted one after the other (an actor that overlaps the learner makes "
-                 "it shorter); evaluate leaves out a champion and references")
+    seconds = {stage: s if s is None or s == 0 else s + STAGE_OVERHEAD_S for stage, s in seconds.items()}
+    notes.append(f"each stage {STAGE_OVERHEAD_S:.0f} s to start and finish; rl's actors and learner counted one "
+                 "after the other (an actor that overlaps the learner makes it shorter); evaluate leaves out a "
+                 "champion and references")
     if cfg.synthesize.include_accepted_traces:
         notes.append("SFT's examples leave out the accepted traces (their number is known after collect)")
     return Estimate(name, seconds, inputs, speed, convs, notes)

@@ -205,6 +205,7 @@ def hold_to_budget(root: Path, name: str, cfg, est, yes: bool) -> None:
     if sys.stdin.isatty() and sys.stdout.isatty():
         if typer.confirm(f"{said}. Run anyway?", default=False):
             return
+        typer.echo(f"flywheel run {name}: not started")
         raise typer.Exit(1)
     raise OverBudget(f"{said}; nothing was started. Run it anyway with `flywheel run {name} --yes`, or raise "
                      f"pipelines.{name}.budget_minutes to at least {math.ceil(est.total / 60)}")

@@ -3,7 +3,8 @@
 `flywheel check` turns it into each stage's estimated time (flywheel/estimate.py). The probe loads the student
 (the tiny one is built at random from its config: it does not exist before SFT), then times a training step
 (forward, backward, optimiser; LoRA when SFT uses it) and a forward pass of SFT's batch shape, and single-token
-decode steps with a kept cache at two batch sizes. It takes seconds; the result is kept under .flywheel/probe/,
+decode steps with a kept cache at three batch sizes, in rounds (each round times every one once). It takes
+seconds; the result is kept under .flywheel/probe/,
 keyed by the student, what its step depends on (LoRA, precision, the batch's shape), this machine and torch's
 thread count, so a second check reads it.
 """
@@ -21,16 +22,18 @@ from pathlib import Path
 from flywheel.config import PipelineConfig
 
 PROBE_DIR = ".flywheel/probe"  # under the project root; FLYWHEEL_PROBE_DIR names another folder (a test session's)
-DECODE_BATCHES = (1, 8)  # decode steps are timed at these batch sizes; between and past them: a straight line
-DECODE_CONTEXT = 128  # tokens before a timed decode step
+# Decode steps are timed at these batch sizes (64: the hf policy's batch), between them on a straight line, each
+# after DECODE_CONTEXT tokens read once.
+DECODE_BATCHES = (1, 8, 64)
+DECODE_CONTEXT = 32
 # A training (or forward) step is timed at SFT's width with its whole batch, or, where that step would take longer
 # than STEP_BUDGET_S, with the largest power-of-two part of the batch that does not, scaled up by the rows: a
 # large student is compute-bound (its time grows with the rows), a tiny one is bound by each call's fixed cost
 # (and then timed whole).
 STEP_BUDGET_S = 0.5
-# Each measurement: one untimed warm-up, then timed repeats (at least REPEATS, more while they add up to under
-# MIN_TIMED_S, at most MAX_REPEATS); the fastest counts, the least disturbed by whatever else runs here.
-REPEATS, MIN_TIMED_S, MAX_REPEATS = 2, 0.3, 30
+# Rounds of every measurement in turn (_rounds): a warm-up, then at least ROUNDS, more while under ROUNDS_S, at
+# most MAX_ROUNDS; the fastest of each counts, the least disturbed by whatever else runs here.
+ROUNDS, ROUNDS_S, MAX_ROUNDS = 3, 2.0, 12
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class Speed:
     forward_step_s: float  # a forward pass of that batch, no gradients
     timed_rows: int  # the rows actually timed (the step scaled up from them when fewer than `batch`)
     decode_step_s: dict[int, float]  # one new token for every row of a batch of this size, with a kept cache
-    load_s: float  # loading (or building) the student
+    load_s: float  # loading (or building) the student, its libraries already imported
     cached: bool = False  # read from .flywheel/probe/ rather than measured now
 
     @property
@@ -67,9 +70,12 @@ class Speed:
         return tokens / self.forward_tokens_per_s
 
     def decode_s(self, batch: int) -> float:
-        """Seconds for one decode step of a batch of `batch` rows (a straight line through the two measured)."""
-        (b1, t1), (b2, t2) = sorted(self.decode_step_s.items())
-        return max(t1, t1 + (t2 - t1) / (b2 - b1) * (batch - b1))
+        """Seconds for one decode step of a batch of `batch` rows: on the straight line between the two measured
+        batch sizes around it (past the largest, the last two's line)."""
+        points = sorted(self.decode_step_s.items())
+        (b1, t1), (b2, t2) = next(((p, q) for p, q in zip(points, points[1:], strict=False) if batch <= q[0]),
+                                  points[-2:])
+        return max(min(t1, t2), t1 + (t2 - t1) / (b2 - b1) * (batch - b1))
 
 
 def machine() -> str:
@@ -122,7 +128,10 @@ def measure(cfg: PipelineConfig, root: Path, width: float, refresh: bool = False
 
 def _timed(cfg: PipelineConfig, root: Path, threads: int, width: int) -> Speed:
     import torch
+    import transformers  # noqa: F401 - imported once a process: not part of loading the student
 
+    if cfg.sft.lora is not None:
+        import peft  # noqa: F401
     started = time.perf_counter()
     model = _student(cfg, root)
     load_s = time.perf_counter() - started
@@ -157,34 +166,55 @@ def _timed(cfg: PipelineConfig, root: Path, threads: int, width: int) -> Speed:
     if once * batch <= 2 * STEP_BUDGET_S:
         rows = batch  # the whole batch is close enough: timed whole
     ids = torch.randint(0, vocab, (rows, width), generator=generator)
-    train_s = _fastest(lambda: train_step(ids)) * batch / rows
     model.eval()
-    forward_s = _fastest(lambda: forward(ids)) * batch / rows
-    decode = {b: _fastest(lambda b=b: _decode_step(model, vocab, b, generator)) for b in DECODE_BATCHES}
+    caches = {b: _decode_cache(model, vocab, b, generator) for b in DECODE_BATCHES}
+    steps = {"train": lambda: train_step(ids), "forward": lambda: forward(ids),
+             **{b: lambda b=b: _decode_step(model, caches, b, vocab, generator) for b in DECODE_BATCHES}}
+    fastest = _rounds(steps, model)
+    train_s = fastest["train"] * batch / rows
+    forward_s = min(fastest["forward"], fastest["train"]) * batch / rows  # (no forward is slower than a step)
+    # more rows never take less time a step: a smaller batch measured slower was disturbed, and is bounded
+    decode = {b: min(fastest[c] for c in DECODE_BATCHES if c >= b) for b in DECODE_BATCHES}
     return Speed(student=cfg.student.model, machine=machine(), threads=threads, batch=batch, width=width,
                  train_step_s=train_s, forward_step_s=forward_s, timed_rows=rows, decode_step_s=decode,
                  load_s=load_s)
 
 
-def _decode_step(model, vocab: int, batch: int, generator) -> float:
-    """Seconds for one new token per row after DECODE_CONTEXT tokens whose keys and values are kept."""
+def _rounds(steps: dict, model) -> dict:
+    """The fastest time of each step (which times itself) over rounds that take each in turn: something else
+    running on the machine for a second slows one round of every step, not every repeat of one step. At least
+    ROUNDS rounds, more while they add up to under ROUNDS_S, at most MAX_ROUNDS; the first round is a warm-up."""
+    fastest = dict.fromkeys(steps, float("inf"))
+    started, done = time.perf_counter(), -1
+    while done < ROUNDS or (time.perf_counter() - started < ROUNDS_S and done < MAX_ROUNDS):
+        for key, step in steps.items():
+            model.train(key == "train")
+            took = step()
+            if done >= 0:
+                fastest[key] = min(fastest[key], took)
+        done += 1
+    model.eval()
+    return fastest
+
+
+def _decode_cache(model, vocab: int, batch: int, generator):
+    """The keys and values of DECODE_CONTEXT tokens in `batch` rows, read once: decode steps extend it."""
     import torch
 
     with torch.no_grad():
-        context = torch.randint(0, vocab, (batch, DECODE_CONTEXT), generator=generator)
-        kept = model(input_ids=context, use_cache=True).cache
+        return model(input_ids=torch.randint(0, vocab, (batch, DECODE_CONTEXT), generator=generator),
+                     use_cache=True).cache
+
+
+def _decode_step(model, caches: dict, batch: int, vocab: int, generator) -> float:
+    """Seconds for one new token for every row of the kept cache of `batch` rows (which grows by it)."""
+    import torch
+
+    token = torch.randint(0, vocab, (batch, 1), generator=generator)
+    with torch.no_grad():
         started = time.perf_counter()
-        model(input_ids=context[:, -1:], cache=kept, use_cache=True)
+        caches[batch] = model(input_ids=token, cache=caches[batch], use_cache=True).cache
         return time.perf_counter() - started
-
-
-def _fastest(step) -> float:
-    """The fastest timed run of `step` (which times itself) after one untimed warm-up (REPEATS, MIN_TIMED_S)."""
-    step()
-    times = [step() for _ in range(REPEATS)]
-    while sum(times) < MIN_TIMED_S and len(times) < MAX_REPEATS:
-        times.append(step())
-    return min(times)
 
 
 def _student(cfg: PipelineConfig, root: Path):
