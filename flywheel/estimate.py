@@ -11,6 +11,7 @@ student; what it leaves out is said in `Estimate.notes`.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -47,6 +48,11 @@ class Conversations:
     passed: float  # the share the solver's conversations passed (1.0 without a solver)
     solver_s: float | None  # the solver's seconds per episode (None: no solver)
     how: str  # how they were made and counted
+
+    @property
+    def read_tokens(self) -> float:
+        """Tokens an episode reads that it did not write (prompt, tool results, user turns), mean."""
+        return max(sum(self.lengths) / self.sampled - self.turns * self.tokens_per_turn, self.prompt_tokens)
 
 
 @dataclass
@@ -137,8 +143,11 @@ def conversations(cfg: PipelineConfig, harness: Harness, train: list[Task], root
     if episodes:
         lengths = [count(m) for m in whole]
         turns = [max(1, e.turns) for e in episodes]
-        written = [max(0, length - p) for length, p in zip(lengths, prompt_tokens, strict=True)]
-        per_turn = sum(written) / max(sum(turns), 1)
+        # what the assistant wrote: its turns' text and calls, a few tokens of the template around each
+        written = [count.text(m.get("content") or "") + 5
+                   + count.text(json.dumps(m["tool_calls"]) if m.get("tool_calls") else "")
+                   for e in episodes for m in e.messages[len(e.task.prompt):] if m.get("role") == "assistant"]
+        per_turn = sum(written) / max(len(written), 1)
         passed = sum(e.passed for e in episodes) / len(episodes)
         how = f"the solver's conversations on {len(sample)} train tasks"
     else:
@@ -177,6 +186,10 @@ class _Counter:
                 add_generation_prompt=prompt, tokenize=False)
             self.how = f"in {cfg.student.model}'s tokens and training template"
 
+    def text(self, text: str) -> int:
+        """Tokens of plain text."""
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+
     def __call__(self, messages: list[dict], prompt: bool = False) -> int:
         return len(self.tokenizer(self.render(messages, prompt), add_special_tokens=False)["input_ids"])
 
@@ -188,13 +201,13 @@ def padded_length(lengths: list[int], batch: int, cap: int, seed: int = 0) -> fl
     return sum(max(rng.choices(capped, k=batch)) for _ in range(PADDING_DRAWS)) / PADDING_DRAWS
 
 
-def generation_s(rows: int, turns: float, tokens_per_turn: float, prompt_tokens: float, batch: int,
+def generation_s(rows: int, turns: float, tokens_per_turn: float, read_tokens: float, batch: int,
                  speed: Speed) -> float:
-    """Seconds to run `rows` episodes of `turns` turns in batches of `batch`: decode steps plus reading prompts."""
+    """Seconds to run `rows` episodes of `turns` turns in batches of `batch`: the decode steps of every turn, and
+    reading what the episode did not write once (its prompt, tool results, user turns: a conversation's next turn
+    reads only what is new, its cache kept)."""
     batches, width = math.ceil(rows / batch), min(rows, batch)
-    decode = batches * tokens_per_turn * speed.decode_s(width)
-    read = speed.forward_time(rows * prompt_tokens)
-    return turns * (decode + read)
+    return turns * batches * tokens_per_turn * speed.decode_s(width) + speed.forward_time(rows * read_tokens)
 
 
 def _sft(cfg: PipelineConfig, convs: Conversations, examples: int, speed: Speed) -> tuple[float, str]:
@@ -215,17 +228,17 @@ def _rl(cfg: PipelineConfig, convs: Conversations, speed: Speed) -> tuple[float,
         return 0.0, "rl.steps 0"
     rows = rl.tasks_per_step * rl.group_size
     per_turn = min(convs.tokens_per_turn, rl.max_new_tokens)
-    generate = generation_s(rows, convs.turns, per_turn, convs.prompt_tokens, GENERATION_BATCH, speed)
+    generate = generation_s(rows, convs.turns, per_turn, convs.read_tokens, GENERATION_BATCH, speed)
     length = sum(min(n, rl.max_length) for n in convs.lengths) / len(convs.lengths)
     forwards = 1 + (rl.kl_beta > 0)  # the old logprobs, and the reference's
     learn = speed.train_time(rl.epochs_per_batch * rows * length) + forwards * speed.forward_time(rows * length)
     checks = 0.0
     if rl.keep_best:
         checks += (rl.steps // rl.validate_every + 1) * generation_s(
-            rl.validate_tasks, convs.turns, convs.tokens_per_turn, convs.prompt_tokens, GENERATION_BATCH, speed)
+            rl.validate_tasks, convs.turns, convs.tokens_per_turn, convs.read_tokens, GENERATION_BATCH, speed)
     if rl.monitor_every:
         checks += (rl.steps // rl.monitor_every + 1) * generation_s(
-            rl.monitor_tasks, convs.turns, convs.tokens_per_turn, convs.prompt_tokens, GENERATION_BATCH, speed)
+            rl.monitor_tasks, convs.turns, convs.tokens_per_turn, convs.read_tokens, GENERATION_BATCH, speed)
     total = speed.load_s + rl.steps * (generate + learn) + checks
     return total, (f"{rl.steps} steps x {rows} episodes ({rl.tasks_per_step} tasks x {rl.group_size}), "
                    f"{per_turn:.0f} tokens a turn, {rl.epochs_per_batch} epoch(s) over {length:.0f} tokens each")
@@ -234,10 +247,10 @@ def _rl(cfg: PipelineConfig, convs: Conversations, speed: Speed) -> tuple[float,
 def _evaluate(cfg: PipelineConfig, convs: Conversations, heldout: int, speed: Speed) -> tuple[float, str]:
     ev = cfg.evaluate
     rows = heldout * (1 + ev.samples)
-    trained = generation_s(rows, convs.turns, min(convs.tokens_per_turn, EVAL_MAX_NEW_TOKENS), convs.prompt_tokens,
+    trained = generation_s(rows, convs.turns, min(convs.tokens_per_turn, EVAL_MAX_NEW_TOKENS), convs.read_tokens,
                            ev.batch_size, speed)
     # the base student has learned nothing of the task yet: it may write every turn to the limit
-    base = generation_s(rows, convs.turns, EVAL_MAX_NEW_TOKENS, convs.prompt_tokens, ev.batch_size, speed)
+    base = generation_s(rows, convs.turns, EVAL_MAX_NEW_TOKENS, convs.read_tokens, ev.batch_size, speed)
     models = 2 if cfg.rl.steps else 1  # sft and rl (rl is sft when it takes no step)
     return 3 * speed.load_s + base + models * trained, (
         f"{heldout} held-out tasks x {1 + ev.samples} episode(s) for base, sft{', rl' if cfg.rl.steps else ''} "
@@ -257,7 +270,8 @@ def render(est: Estimate) -> list[str]:
     sp, convs = est.speed, est.conversations
     lines = []
     if sp is not None:
-        scaled = f" (timed on {sp.timed_rows} rows, scaled)" if sp.timed_rows < sp.batch else ""
+        scaled = (f" (timed on {sp.timed_rows} x {sp.timed_width}, scaled)"
+                  if (sp.timed_rows, sp.timed_width) != (sp.batch, sp.width) else "")
         lines += [f"    student {sp.student} on this machine ({sp.machine}, {sp.threads} threads), "
                   f"{'kept in .flywheel/probe/' if sp.cached else 'measured now'}: a training step of {sp.batch} x "
                   f"{sp.width} tokens {sp.train_step_s:.2f} s{scaled} ({sp.train_tokens_per_s:,.0f} tokens/s), a "

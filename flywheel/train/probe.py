@@ -27,13 +27,13 @@ PROBE_DIR = ".flywheel/probe"  # under the project root; FLYWHEEL_PROBE_DIR name
 DECODE_BATCHES = (1, 8, 64)
 DECODE_CONTEXT = 32
 # A training (or forward) step is timed at SFT's width with its whole batch, or, where that step would take longer
-# than STEP_BUDGET_S, with the largest power-of-two part of the batch that does not, scaled up by the rows: a
-# large student is compute-bound (its time grows with the rows), a tiny one is bound by each call's fixed cost
-# (and then timed whole).
+# than STEP_BUDGET_S, with the largest power-of-two part of the batch that does not (one row cut shorter if even
+# one full row would), scaled up by the tokens: a large student is compute-bound (its time grows with the
+# tokens), a tiny one is bound by each call's fixed cost (and then timed whole).
 STEP_BUDGET_S = 0.5
-# Rounds of every measurement in turn (_rounds): a warm-up, then at least ROUNDS, more while under ROUNDS_S, at
+# Rounds of every measurement in turn (_rounds): a warm-up, then at least ROUNDS, more while within ROUNDS_S, at
 # most MAX_ROUNDS; the fastest of each counts, the least disturbed by whatever else runs here.
-ROUNDS, ROUNDS_S, MAX_ROUNDS = 3, 2.0, 12
+ROUNDS, ROUNDS_S, MAX_ROUNDS = 1, 2.0, 12
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,8 @@ class Speed:
     width: int  # ... of rows this many tokens long: the step timed
     train_step_s: float  # forward + backward + optimiser step of that batch (LoRA when sft.lora is set)
     forward_step_s: float  # a forward pass of that batch, no gradients
-    timed_rows: int  # the rows actually timed (the step scaled up from them when fewer than `batch`)
+    timed_rows: int  # the rows actually timed, each timed_width tokens (the step scaled up from them by the tokens
+    timed_width: int  # when fewer than batch x width)
     decode_step_s: dict[int, float]  # one new token for every row of a batch of this size, with a kept cache
     load_s: float  # loading (or building) the student, its libraries already imported
     cached: bool = False  # read from .flywheel/probe/ rather than measured now
@@ -157,26 +158,32 @@ def _timed(cfg: PipelineConfig, root: Path, threads: int, width: int) -> Speed:
 
     batch = cfg.sft.batch_size
     model.train()
-    one = torch.randint(0, vocab, (1, width), generator=generator)
+    short = min(width, 64)
+    one = torch.randint(0, vocab, (1, short), generator=generator)
     train_step(one)  # the first step also allocates: a warm-up
-    once = train_step(one)
-    rows = 1
-    while rows * 2 <= batch and once * rows * 2 <= STEP_BUDGET_S:
-        rows *= 2
-    if once * batch <= 2 * STEP_BUDGET_S:
+    row_s = train_step(one) * width / short  # one row of the full width, about
+    rows, timed_width = 1, width
+    if row_s * batch <= 2 * STEP_BUDGET_S:
         rows = batch  # the whole batch is close enough: timed whole
-    ids = torch.randint(0, vocab, (rows, width), generator=generator)
+    elif row_s <= STEP_BUDGET_S:
+        while rows * 2 <= batch and row_s * rows * 2 <= STEP_BUDGET_S:
+            rows *= 2
+    else:  # a large student: one row, cut to what fits the budget (its time grows with the tokens)
+        timed_width = max(short, int(width * STEP_BUDGET_S / row_s) // 8 * 8)
+    ids = torch.randint(0, vocab, (rows, timed_width), generator=generator)
+    scale = batch * width / (rows * timed_width)
     model.eval()
     caches = {b: _decode_cache(model, vocab, b, generator) for b in DECODE_BATCHES}
     steps = {"train": lambda: train_step(ids), "forward": lambda: forward(ids),
              **{b: lambda b=b: _decode_step(model, caches, b, vocab, generator) for b in DECODE_BATCHES}}
     fastest = _rounds(steps, model)
-    train_s = fastest["train"] * batch / rows
-    forward_s = min(fastest["forward"], fastest["train"]) * batch / rows  # (no forward is slower than a step)
+    train_s = fastest["train"] * scale
+    forward_s = min(fastest["forward"], fastest["train"]) * scale  # (no forward is slower than a step)
     # more rows never take less time a step: a smaller batch measured slower was disturbed, and is bounded
     decode = {b: min(fastest[c] for c in DECODE_BATCHES if c >= b) for b in DECODE_BATCHES}
     return Speed(student=cfg.student.model, machine=machine(), threads=threads, batch=batch, width=width,
-                 train_step_s=train_s, forward_step_s=forward_s, timed_rows=rows, decode_step_s=decode,
+                 train_step_s=train_s, forward_step_s=forward_s, timed_rows=rows, timed_width=timed_width,
+                 decode_step_s=decode,
                  load_s=load_s)
 
 
