@@ -48,6 +48,7 @@ class Conversations:
     passed: float  # the share the solver's conversations passed (1.0 without a solver)
     solver_s: float | None  # the solver's seconds per episode (None: no solver)
     how: str  # how they were made and counted
+    opening: int = 0  # tokens every conversation starts with (system prompt, tools): read once a batch
 
     @property
     def read_tokens(self) -> float:
@@ -88,7 +89,9 @@ def estimate(name: str, cfg: PipelineConfig, harness: Harness, root: Path, refre
     tasks = own_tasks(env, cfg.environment, cfg.collect.heldout_fraction) or list(env.recorded_tasks())
     train = [t for t in tasks if t.split == "train"]
     heldout = [t for t in tasks if t.split == "heldout"]
-    convs = conversations(cfg, harness, train, root) if train else None
+    synth_tasks = [t for t in train if t.slice not in cfg.synthesize.exclude_slices]
+    # the conversations SFT will train on stand for every stage's (synthesize.exclude_slices left out)
+    convs = conversations(cfg, harness, synth_tasks or train, root) if train else None
     seconds: dict[str, float | None] = {}
     inputs: dict[str, str] = {}
     notes: list[str] = []
@@ -96,7 +99,6 @@ def estimate(name: str, cfg: PipelineConfig, harness: Harness, root: Path, refre
         reason = "no tasks before collect (they come from traces): run collect, then check again"
         return Estimate(name, dict.fromkeys(STAGES), dict.fromkeys(STAGES, reason), None, None, [reason])
     speed = measure(cfg, root, padded_length(convs.lengths, cfg.sft.batch_size, cfg.sft.max_length), refresh)
-    synth_tasks = [t for t in train if t.slice not in cfg.synthesize.exclude_slices]
     n = cfg.synthesize.samples_per_task
     teacher = cfg.teacher.policy
     if teacher == "oracle" and convs.solver_s is not None:
@@ -145,7 +147,7 @@ def conversations(cfg: PipelineConfig, harness: Harness, train: list[Task], root
         turns = [max(1, e.turns) for e in episodes]
         # what the assistant wrote: its turns' text and calls, a few tokens of the template around each
         written = [count.text(m.get("content") or "") + 5
-                   + count.text(json.dumps(m["tool_calls"]) if m.get("tool_calls") else "")
+                   + count.text(json.dumps([c.get("function") for c in m.get("tool_calls") or []]))
                    for e in episodes for m in e.messages[len(e.task.prompt):] if m.get("role") == "assistant"]
         per_turn = sum(written) / max(len(written), 1)
         passed = sum(e.passed for e in episodes) / len(episodes)
@@ -156,7 +158,19 @@ def conversations(cfg: PipelineConfig, harness: Harness, train: list[Task], root
         how = f"{len(sample)} train prompts with one turn of {EVAL_MAX_NEW_TOKENS} tokens (no scripted solver)"
     how += f", counted {count.how}"
     return Conversations(len(sample), lengths, sum(prompt_tokens) / len(sample), sum(turns) / len(turns),
-                         per_turn, passed, solver_s, how)
+                         per_turn, passed, solver_s, how, shared_opening([count.ids(m) for m in whole]))
+
+
+def shared_opening(conversations: list[list[int]]) -> int:
+    """The tokens every conversation starts with: SFT, the RL learner and the hf policy read them once a batch
+    (flywheel/train/opening.py), so they cost once, not once a row. 0 for a single conversation."""
+    if len(conversations) < 2:
+        return 0
+    first, n = conversations[0], min(len(c) for c in conversations)
+    for i in range(n):
+        if any(c[i] != first[i] for c in conversations[1:]):
+            return i
+    return n - 1  # (one is all opening: its last token is still read)
 
 
 class _Counter:
@@ -190,8 +204,11 @@ class _Counter:
         """Tokens of plain text."""
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
 
+    def ids(self, messages: list[dict], prompt: bool = False) -> list[int]:
+        return self.tokenizer(self.render(messages, prompt), add_special_tokens=False)["input_ids"]
+
     def __call__(self, messages: list[dict], prompt: bool = False) -> int:
-        return len(self.tokenizer(self.render(messages, prompt), add_special_tokens=False)["input_ids"])
+        return len(self.ids(messages, prompt))
 
 
 def padded_length(lengths: list[int], batch: int, cap: int, seed: int = 0) -> float:
@@ -202,12 +219,13 @@ def padded_length(lengths: list[int], batch: int, cap: int, seed: int = 0) -> fl
 
 
 def generation_s(rows: int, turns: float, tokens_per_turn: float, read_tokens: float, batch: int,
-                 speed: Speed) -> float:
+                 speed: Speed, opening: float = 0.0) -> float:
     """Seconds to run `rows` episodes of `turns` turns in batches of `batch`: the decode steps of every turn, and
     reading what the episode did not write once (its prompt, tool results, user turns: a conversation's next turn
-    reads only what is new, its cache kept)."""
+    reads only what is new, its cache kept; the shared `opening` once a batch)."""
     batches, width = math.ceil(rows / batch), min(rows, batch)
-    return turns * batches * tokens_per_turn * speed.decode_s(width) + speed.forward_time(rows * read_tokens)
+    read = batches * opening + rows * (read_tokens - opening)
+    return turns * batches * tokens_per_turn * speed.decode_s(width) + speed.forward_time(read)
 
 
 def _sft(cfg: PipelineConfig, convs: Conversations, examples: int, speed: Speed) -> tuple[float, str]:
@@ -215,7 +233,8 @@ def _sft(cfg: PipelineConfig, convs: Conversations, examples: int, speed: Speed)
     held = round(examples * sft.eval_fraction)
     steps = cfg.sft.planned_steps(examples - held)
     width = padded_length(convs.lengths, sft.batch_size, sft.max_length)
-    train = steps * speed.train_time(sft.batch_size * width)
+    opening = min(convs.opening, width)
+    train = steps * speed.train_time(opening + sft.batch_size * (width - opening))
     evals = (steps // sft.eval_every + 1) * speed.forward_time(held * width)
     return speed.load_s + train + evals, (f"{steps} steps (sft.planned_steps({examples - held})) x batch "
                                           f"{sft.batch_size} x {width:.0f} padded tokens at "
@@ -228,17 +247,20 @@ def _rl(cfg: PipelineConfig, convs: Conversations, speed: Speed) -> tuple[float,
         return 0.0, "rl.steps 0"
     rows = rl.tasks_per_step * rl.group_size
     per_turn = min(convs.tokens_per_turn, rl.max_new_tokens)
-    generate = generation_s(rows, convs.turns, per_turn, convs.read_tokens, GENERATION_BATCH, speed)
+    generate = generation_s(rows, convs.turns, per_turn, convs.read_tokens, GENERATION_BATCH, speed, convs.opening)
     length = sum(min(n, rl.max_length) for n in convs.lengths) / len(convs.lengths)
     forwards = 1 + (rl.kl_beta > 0)  # the old logprobs, and the reference's
-    learn = speed.train_time(rl.epochs_per_batch * rows * length) + forwards * speed.forward_time(rows * length)
+    read = math.ceil(rows / rl.minibatch_size) * convs.opening + rows * max(length - convs.opening, 0)
+    learn = speed.train_time(rl.epochs_per_batch * read) + forwards * speed.forward_time(read)
     checks = 0.0
     if rl.keep_best:
         checks += (rl.steps // rl.validate_every + 1) * generation_s(
-            rl.validate_tasks, convs.turns, convs.tokens_per_turn, convs.read_tokens, GENERATION_BATCH, speed)
+            rl.validate_tasks, convs.turns, convs.tokens_per_turn, convs.read_tokens, GENERATION_BATCH, speed,
+            convs.opening)
     if rl.monitor_every:
         checks += (rl.steps // rl.monitor_every + 1) * generation_s(
-            rl.monitor_tasks, convs.turns, convs.tokens_per_turn, convs.read_tokens, GENERATION_BATCH, speed)
+            rl.monitor_tasks, convs.turns, convs.tokens_per_turn, convs.read_tokens, GENERATION_BATCH, speed,
+            convs.opening)
     total = speed.load_s + rl.steps * (generate + learn) + checks
     return total, (f"{rl.steps} steps x {rows} episodes ({rl.tasks_per_step} tasks x {rl.group_size}), "
                    f"{per_turn:.0f} tokens a turn, {rl.epochs_per_batch} epoch(s) over {length:.0f} tokens each")
@@ -248,9 +270,10 @@ def _evaluate(cfg: PipelineConfig, convs: Conversations, heldout: int, speed: Sp
     ev = cfg.evaluate
     rows = heldout * (1 + ev.samples)
     trained = generation_s(rows, convs.turns, min(convs.tokens_per_turn, EVAL_MAX_NEW_TOKENS), convs.read_tokens,
-                           ev.batch_size, speed)
+                           ev.batch_size, speed, convs.opening)
     # the base student has learned nothing of the task yet: it may write every turn to the limit
-    base = generation_s(rows, convs.turns, EVAL_MAX_NEW_TOKENS, convs.read_tokens, ev.batch_size, speed)
+    base = generation_s(rows, convs.turns, EVAL_MAX_NEW_TOKENS, convs.read_tokens, ev.batch_size, speed,
+                        convs.opening)
     models = 2 if cfg.rl.steps else 1  # sft and rl (rl is sft when it takes no step)
     return 3 * speed.load_s + base + models * trained, (
         f"{heldout} held-out tasks x {1 + ev.samples} episode(s) for base, sft{', rl' if cfg.rl.steps else ''} "
@@ -280,7 +303,8 @@ def render(est: Estimate) -> list[str]:
                   + f", loading {sp.load_s:.1f} s"]
     if convs is not None:
         lines.append(f"    conversations: {convs.how}: {sum(convs.lengths) / convs.sampled:.0f} tokens (longest "
-                     f"{max(convs.lengths)}), prompt {convs.prompt_tokens:.0f}, {convs.turns:.1f} assistant turn(s) "
+                     f"{max(convs.lengths)}; {convs.opening} shared by all, read once a batch), prompt "
+                     f"{convs.prompt_tokens:.0f}, {convs.turns:.1f} assistant turn(s) "
                      f"of {convs.tokens_per_turn:.0f} tokens")
     lines.append(f"    {'stage':<11} {'estimate':>9}  from")
     for stage in STAGES:

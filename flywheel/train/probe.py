@@ -33,7 +33,7 @@ DECODE_CONTEXT = 32
 STEP_BUDGET_S = 0.5
 # Rounds of every measurement in turn (_rounds): a warm-up, then at least ROUNDS, more while within ROUNDS_S, at
 # most MAX_ROUNDS; the fastest of each counts, the least disturbed by whatever else runs here.
-ROUNDS, ROUNDS_S, MAX_ROUNDS = 1, 2.0, 12
+ROUNDS, ROUNDS_S, MAX_ROUNDS = 3, 2.0, 12
 
 
 @dataclass(frozen=True)
