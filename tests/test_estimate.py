@@ -148,3 +148,11 @@ def test_samples_a_teacher_cannot_vary_are_a_warning_naming_the_key():
     assert same_samples("p", cfg({"policy": "hf", "model": "m"}, {"samples_per_task": 2, "temperature": 0.8})) == []
     assert same_samples("p", cfg({"policy": "oracle", "error_rate": 0.2}, {"samples_per_task": 2})) == []
     assert same_samples("p", cfg({"policy": "oracle"}, {})) == []
+
+
+def test_the_summary_puts_each_measured_stage_time_beside_its_estimate():
+    from flywheel.cli.render import times_line
+
+    line = times_line({"collect": 2.0, "sft": 61.0}, {"estimate.sft_s": 107.0, "estimate.total_s": 110.0})
+    assert line == "collect 0:02, sft 1:01 (1:47, x0.57), total 1:03 (1:50)"
+    assert times_line({"sft": 5.0}, {}) == "sft 0:05, total 0:05"  # a run without an estimate: its times alone
