@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from prefect import flow, runtime
@@ -14,6 +15,7 @@ from flows.stage import run_stage
 from flywheel import registry
 from flywheel.config import load_pipeline
 from flywheel.data import dvc
+from flywheel.metrics import STAGE_SECONDS
 from flywheel.stages import ORDER, RetrainSummary, StageResult
 from flywheel.tags import (
     FLOW_RUN_TAG,
@@ -33,7 +35,8 @@ from tasks.spec import output_hashes
 @flow(name=RETRAIN_FLOW, log_prints=False)
 def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push: bool = True,
             restored: list[str] | None = None, tags: dict[str, str] | None = None, promote: bool = True,
-            stage_jobs: dict[str, dict] | None = None, wait: bool = False) -> RetrainSummary:
+            stage_jobs: dict[str, dict] | None = None, wait: bool = False,
+            estimate: dict[str, float] | None = None) -> RetrainSummary:
     """Run every stage of the pipeline; unchanged stages come from Prefect's cache and are not run again.
 
     `restored` stages are not run: their outputs were checked out from DVC (a rerun). `tags` go on the
@@ -43,6 +46,8 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
     One run of a pipeline at a time per project folder (flows/runlock.py): another one running makes this one
     fail naming it, or, with `wait`, start when it ends. `flywheel run` takes that lock before the flow starts;
     the flow then runs under it (a deployment's run, with no command around it, takes it here).
+    `estimate`: `flywheel check`'s estimated seconds per stage (Estimate.params), recorded as the run's params
+    beside each stage's measured seconds (metrics), and both in the summary.
     """
     root_path = Path(root).resolve()
     cfg = load_pipeline(pipeline, root_path / "pipelines.yaml")  # a bad config fails here, before any work
@@ -57,18 +62,21 @@ def retrain(pipeline: str = "demo", root: str = ".", refresh: bool = False, push
             if found.state == "dead":
                 print(found.line(), flush=True)
         return _stages(pipeline, root_path, cfg, student, refresh, push, list(restored or []), tags, promote,
-                       stage_jobs, flow_run_id, holding)
+                       stage_jobs, flow_run_id, holding, estimate or {})
 
 
 def _stages(pipeline: str, root_path: Path, cfg, student: StudentChoice, refresh: bool, push: bool,
             restored: list[str], tags: dict[str, str] | None, promote: bool, stage_jobs: dict[str, dict] | None,
-            flow_run_id: str, holding: Holding) -> RetrainSummary:
+            flow_run_id: str, holding: Holding, estimate: dict[str, float]) -> RetrainSummary:
     use_dvc = dvc.is_repo(root_path)
     parent = registry.start_run(root_path, pipeline, "retrain", tags={
         FLOW_RUN_TAG: flow_run_id, REFRESH_TAG: refresh, GIT_DIRTY_TAG: registry.git_dirty(root_path),
         **(tags or {})})
     holding.record(mlflow_run_id=parent.run_id)
     registry.record_config(parent, pipeline, cfg.model_dump(mode="json"))
+    if estimate:
+        parent.params(estimate)
+    seconds: dict[str, float] = {}
     # what only some stages take: register is told whether to offer promotion, and the run it belongs to
     options = {"register": {"promote": promote, "lineage": {
         FLOW_RUN_TAG: flow_run_id, PIPELINE_RUN_TAG: parent.run_id, **(tags or {})}}}
@@ -94,6 +102,8 @@ def _stages(pipeline: str, root_path: Path, cfg, student: StudentChoice, refresh
                 ran.append(name)
             results[name] = result
             took = time.monotonic() - started
+            seconds[name] = round(took, 1)
+            parent.metrics({STAGE_SECONDS.format(stage=name): seconds[name]})
             parent.tags({stage_state_tag(name): "cached" if cached else "ran", stage_run_tag(name): result.run_id})
             print(f"[{number}/{len(ORDER)}] {name} {'cached' if cached else 'done'} in {took:.1f}s", flush=True)
         # the datasets and models the candidate came from (register tags its version with the same)
@@ -106,6 +116,7 @@ def _stages(pipeline: str, root_path: Path, cfg, student: StudentChoice, refresh
         parent.end(ok=False, stopped=not isinstance(err, Exception))  # a signal: KILLED, as the flow run CRASHED
         raise
     summary = _summary(pipeline, results, ran, restored, parent.run_id, student.line())
+    summary = replace(summary, seconds=seconds, estimate=estimate)
     parent.metrics(dict(summary.scores))
     parent.tags(gate_tag(summary.gate_passed) | {REGISTERED_VERSION_TAG: summary.version}
                 | ({GATE_REFUSED_TAG: "; ".join(summary.refused)[:5000]} if summary.refused else {}))
@@ -121,7 +132,8 @@ def _summary(pipeline: str, results: dict[str, StageResult], ran: list[str], res
     return RetrainSummary(
         pipeline=pipeline, scores=gate.scores, gate_passed=gate.passed, gate_reasons=gate.reasons,
         version=registration["version"], pass_rates=gate.pass_rates, references=gate.references,
-        warnings=gate.warnings, refused=gate.refused,
+        warnings=[w for name in ORDER if name in results for w in results[name].warnings] + gate.warnings,
+        refused=gate.refused,
         aliases=sorted(registry.client().get_model_version(pipeline, registration["version"]).aliases),
         champion=current.version if current else None, ran=ran, restored=restored,
         cached=[n for n in ORDER if n not in ran and n not in restored], run_id=run_id, student=student)

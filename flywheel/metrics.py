@@ -66,3 +66,8 @@ def pass_rate_name(label: str) -> str:
 # summary, the optimiser updates made over the run.
 RL_SKIPPED_SHARE = "skipped_group_share"
 RL_UPDATES = "updates"
+
+# A pipeline run's times (flows/retrain.py): each stage's measured wall seconds as a metric of the pipeline's run,
+# beside `flywheel check`'s estimate of it as a param (flywheel/estimate.py, Estimate.params).
+STAGE_SECONDS = "seconds.{stage}"
+STAGE_ESTIMATE = "estimate.{stage}_s"

@@ -31,8 +31,10 @@ class StageResult:
     outputs: dict[str, str] = field(default_factory=dict)  # output path under the root -> content hash
     gate: GateReport | None = None  # evaluate: the gate report (data/<pipeline>/evaluate/gate.json)
     registration: dict | None = None  # register: the version and its aliases (registration.json)
+    warnings: list[str] = field(default_factory=list)  # what the run's summary should say (synthesize: failed tasks)
 
     def __setstate__(self, state: dict) -> None:
+        state = {"warnings": []} | state  # a result cached before stages had warnings
         # a result Prefect cached before the gate report was typed holds it as gate.json's dict
         if isinstance(state.get("gate"), Mapping):
             state = state | {"gate": GateReport.from_dict(state["gate"])}
@@ -108,6 +110,8 @@ class RetrainSummary:
     restored: list[str] = field(default_factory=list)  # the stages checked out from DVC, not run (a rerun)
     run_id: str = ""  # the pipeline's MLflow run
     student: str = ""  # which student trained, and why (`student.model: auto`)
+    seconds: dict[str, float] = field(default_factory=dict)  # stage -> wall seconds this run took for it
+    estimate: dict[str, float] = field(default_factory=dict)  # `flywheel check`'s estimate (estimate.<stage>_s)
 
     @classmethod
     def from_dict(cls, data: Mapping) -> RetrainSummary:
@@ -120,4 +124,5 @@ class RetrainSummary:
 
 
 _SUMMARY_ORDER = ("pipeline", "scores", "gate_passed", "gate_reasons", "version", "pass_rates", "references",
-                  "warnings", "refused", "aliases", "champion", "ran", "restored", "cached", "run_id", "student")
+                  "warnings", "refused", "aliases", "champion", "ran", "restored", "cached", "run_id", "student",
+                  "seconds", "estimate")

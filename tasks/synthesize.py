@@ -22,7 +22,7 @@ from flywheel.data.tasksets import row_task
 from flywheel.policies import Policy, get_policy
 from flywheel.policies.base import Sampling
 from flywheel.stages import StageResult
-from flywheel.synthesis import sample_row, select_targets, trace_rows
+from flywheel.synthesis import sample_row, select, trace_rows
 from flywheel.train.context import check_fit, longest_collected
 from tasks.kernel import stage_context, stage_task
 from tasks.progress import Meter
@@ -59,7 +59,8 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
                 meter.update(chunk)
         finally:
             getattr(teacher, "close", lambda: None)()
-        targets = select_targets(episodes, cfg.synthesize.keep_best_only)
+        selection = select(episodes, cfg.synthesize.keep_best_only)
+        targets = selection.targets
         teacher_name = cfg.teacher.model or cfg.teacher.policy
         tools = json.dumps(env.tools(), ensure_ascii=False)
         rows = [sample_row(e, i in targets, teacher_name, tools) for i, e in enumerate(episodes)]
@@ -72,7 +73,8 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
         catalog.write("synthetic", pd.DataFrame(rows + traces))
 
         accepted = sum(r["accepted"] for r in rows)
-        stats = dict(getattr(teacher, "stats", {}))
+        stats = getattr(teacher, "stats", {})  # an OpenAI teacher's request counts (an hf one's are decode stats)
+        stats = dict(stats) if isinstance(stats, dict) else {}
         metrics = {"samples": len(rows), "accepted": accepted, "accepted_fraction": accepted / max(len(rows), 1),
                    "passed_fraction": sum(e.passed for e in episodes) / max(len(episodes), 1),
                    "tasks_with_target_fraction": len({episodes[i].task.task_id for i in targets}) / max(len(tasks), 1),
@@ -84,9 +86,14 @@ def synthesize(pipeline: str, root: str = ".", parent_run_id: str | None = None)
                    **{f"teacher_{k}": v for k, v in sorted(stats.items())},
                    "cost_usd_spent": meter.cost(stats.get("tokens_in", 0), stats.get("tokens_out", 0))}
         metrics["traces_failed_rubric"] = len(traces) - metrics["traces_accepted"]
-        print(f"      synthesize: {accepted} of {len(rows)} teacher samples accepted{_traces_line(traces)}", flush=True)
+        metrics |= selection.metrics() if tasks else {}
+        print(f"      synthesize: {accepted} of {len(rows)} teacher samples accepted{selection.line(n)}"
+              f"{_traces_line(traces)}", flush=True)
+        warnings = [selection.failed_warning(env, tasks)] if selection.failed_tasks else []
+        for warning in warnings:
+            print(f"      warning: {warning}", flush=True)
         stage.run.metrics(metrics)
-        return stage.done(metrics)
+        return stage.done(metrics, warnings=warnings)
 
 
 def _traces_line(traces: list[dict]) -> str:

@@ -26,6 +26,9 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_STATE / 'mlflow.db'}"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# `flywheel check` and `run` time the student once per session, not once per test project (tests/test_estimate.py
+# unsets it to test the project's own cache)
+os.environ["FLYWHEEL_PROBE_DIR"] = str(_STATE / "probe")
 
 # A pipeline small enough for tests: the same stages and code as the demo, fewer tasks and steps. Its student
 # learns nothing in 60 steps (every model scores 0), so the gate's measurability checks, which would refuse it,

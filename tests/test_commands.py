@@ -46,6 +46,7 @@ class Project:
     def run(self) -> tuple[list[str], list[str]]:
         """`flywheel run small`: (stages that ran, stages answered from the cache)."""
         out = self.command(str(BIN / "flywheel"), "run", "small", "--no-push")
+        self.last_out = out
         found = re.search(r"stages run: (.*?); cached: (.*?);", out)
         assert found, out[-3000:]
         ran, cached = (part.split(", ") if part != "none" else [] for part in found.groups())
@@ -89,6 +90,23 @@ def test_a_moved_project_answers_every_stage_from_the_cache(ran):
             shutil.rmtree(home)
         shutil.move(moved, home)
         ran.root = home
+
+
+def test_a_run_records_each_stage_time_beside_its_estimate(ran):
+    """`flywheel run` prints the estimate before it starts, and records it (params estimate.<stage>_s) beside
+    each stage's measured seconds (metrics seconds.<stage>) on the pipeline's run; the summary shows both."""
+    from mlflow import MlflowClient
+
+    out = " ".join(ran.last_out.split())
+    assert "estimated time" in out and "stage times, measured (estimated): collect" in out
+    assert re.search(r"sft \d+:\d\d \(\d+:\d\d, x\d+\.\d\d\)", out), out[-2000:]
+    client = MlflowClient(tracking_uri=ran.env()["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("small").experiment_id],
+                              "tags.mlflow.runName = 'retrain'", order_by=["start_time DESC"], max_results=1)
+    params, metrics = runs[0].data.params, runs[0].data.metrics
+    for stage in ("synthesize", "sft", "rl", "evaluate", "total"):
+        assert float(params[f"estimate.{stage}_s"]) >= 0
+    assert all(metrics[f"seconds.{stage}"] >= 0 for stage in ("collect", "synthesize", "sft", "rl", "evaluate"))
 
 
 def test_a_changed_code_file_runs_its_stage_and_those_after_it(ran):

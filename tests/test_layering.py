@@ -45,8 +45,10 @@ LAYERS = (
     # what runs the loop: teacher synthesis, SFT and RL, the held-out evaluation and its gate, an environment's
     # dry run (`flywheel check --solve`)
     ("flywheel.synthesis", "flywheel.train", "flywheel.evaluate", "flywheel.dryrun"),
-    # what is done with the trained versions: serving, promotion, comparisons, status, reruns
-    ("flywheel.serving", "flywheel.promotion", "flywheel.comparison", "flywheel.status", "flywheel.reproduce"),
+    # what is done with the trained versions: serving, promotion, comparisons, status, reruns; and what a run
+    # will take before it starts (the estimate, over the training parts' probe)
+    ("flywheel.serving", "flywheel.promotion", "flywheel.comparison", "flywheel.status", "flywheel.reproduce",
+     "flywheel.estimate"),
     # the face: the `flywheel` command
     ("flywheel.cli",),
 )

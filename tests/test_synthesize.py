@@ -202,3 +202,49 @@ def test_excluded_slices_get_no_teacher_conversation_and_a_typo_is_an_error(root
     write_pipeline(root, {"policy": "oracle"}, {"exclude_slices": ["hrad"]})
     with pytest.raises(ConfigError, match=r"exclude_slices names \['hrad'\].*train tasks' slices are"):
         synthesize.fn("t", str(root))
+
+
+def test_oracle_samples_are_deduplicated_and_failures_rejected_and_named(root, capsys):
+    """n samples of a deterministic teacher are one target per task; an imperfect one's failures are dropped, and
+    the tasks where every sample failed are counted and named."""
+    write_pipeline(root, {"policy": "oracle", "error_rate": 0.5, "error_seed": 3}, {"samples_per_task": 3})
+    result = synthesize.fn("t", str(root))
+    n_tasks, metrics = train_tasks(root), result.metrics
+    table = Catalog(root, "t").read("synthetic")
+    passed = table[[json.loads(b) == {} or min(json.loads(b).values()) == 1.0 for b in table["breakdown"]]]
+    assert metrics["synth.samples"] == len(table) == 3 * n_tasks
+    assert metrics["synth.rejected"] == (~table["reward"].ge(1.0)).sum() > 0
+    # a right answer is the oracle's one answer: every passing sample after a task's first is a duplicate
+    kept = table.groupby("task_id")["accepted"].sum()
+    assert kept.max() == 1 and metrics["accepted"] == kept.sum()
+    assert metrics["synth.duplicates"] == len(passed) - kept.sum() > 0
+    assert sum(metrics[f"synth.tasks_kept_{k}"] for k in (0, 1) if f"synth.tasks_kept_{k}" in metrics) == n_tasks
+    failed = kept[kept == 0].index.tolist()
+    assert metrics["synth.tasks_all_failed"] == len(failed) == metrics.get("synth.tasks_kept_0", 0)
+    out = capsys.readouterr().out
+    assert f"{metrics['synth.duplicates']} duplicate(s) dropped" in out and "tasks by targets kept" in out
+    assert failed  # (error_seed 3 fails some task three times: the warning is exercised)
+    assert f"on {len(failed)} of {n_tasks} train task(s) every teacher sample" in result.warnings[0] in out
+    assert sum(f"task {task_id}" in result.warnings[0] for task_id in failed) == min(3, len(failed))
+
+
+def test_a_sampling_teacher_varies_its_samples_and_reruns_the_same(root, tiny_student, capsys):
+    """The tiny student as an hf teacher at temperature 1 (a real sampling policy): a task's samples differ, each
+    is scored, the failures are rejected and every task without a target is counted; a rerun writes the same
+    table's conversations (seeded)."""
+    import shutil
+
+    shutil.copytree(tiny_student, root / "teacher")
+    write_pipeline(root, {"policy": "hf", "model": "teacher", "device": "cpu"},
+                   {"samples_per_task": 3, "temperature": 1.0, "max_new_tokens": 12})
+    result = synthesize.fn("t", str(root))
+    table = Catalog(root, "t").read("synthetic")
+    n_tasks, metrics = train_tasks(root), result.metrics
+    assert metrics["synth.samples"] == len(table) == 3 * n_tasks
+    distinct = table.groupby("task_id")["messages"].nunique()
+    assert (distinct > 1).mean() > 0.5  # variety: most tasks' samples are not one conversation three times
+    assert metrics["synth.rejected"] == (~table["accepted"]).sum() - metrics["synth.duplicates"]
+    assert metrics["synth.tasks_all_failed"] == (table.groupby("task_id")["accepted"].sum() == 0).sum()
+    synthesize.fn("t", str(root))
+    again = Catalog(root, "t").read("synthetic")  # (latencies are this run's: an hf teacher has no cache)
+    assert again[["sample_id", "messages", "reward"]].equals(table[["sample_id", "messages", "reward"]])

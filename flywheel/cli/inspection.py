@@ -13,6 +13,7 @@ from flywheel.cli.errors import reported
 from flywheel.cli.preflight import (
     check_pipeline,
     checked_root,
+    estimate_pipeline,
     fail_each,
     pipeline_config,
     preflight,
@@ -39,10 +40,13 @@ def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipe
                                      "rubric; exits 1 on an error (a reward outside [0, 1], a tool that breaks)."),
           sample: int | None = typer.Option(None, "--sample", min=1, help="With --solve: a seeded sample of N "
                                             "tasks (default: every task collect would draw)."),
+          estimate: bool = typer.Option(True, "--estimate/--no-estimate", help="Estimate each stage's time on "
+                                        "this machine (a timed probe of the student, kept in .flywheel/probe/)."),
           root: Path = ROOT) -> None:
     """Check every pipeline in pipelines.yaml on its own (each bad key or value with its place in the file, the
     trace sources, the environment, the student's context) and count the tasks each split gives against what the
-    config asks; with --solve, dry-run the environment. Each error is one `error:` line; exit 1 if any."""
+    config asks; estimate each stage's time here; with --solve, dry-run the environment. Each error is one
+    `error:` line; exit 1 if any."""
     from flywheel.config import ConfigError, load_each
     from flywheel.data.tasksets import own_tasks, short_splits
 
@@ -85,6 +89,12 @@ def check(pipeline: str | None = typer.Argument(None, help="One pipeline in pipe
         failed = sorted(set(chosen) - set(passed))
         fail_each(errors + [f"{path}: {len(failed)} of {len(chosen)} pipeline(s) failed the check: "
                             f"{', '.join(failed)}"] * bool(failed), code=1)
+    for name, (cfg, env) in passed.items() if estimate else ():
+        est = estimate_pipeline(root.resolve(), name, cfg, env)
+        if est is not None and cfg.budget_minutes is not None and est.total > cfg.budget_minutes * 60:
+            typer.secho(f"  warning: pipelines.{name}: the estimate is over budget_minutes {cfg.budget_minutes:g}: "
+                        "`flywheel run` will ask before starting (or, without a terminal, stop unless --yes)",
+                        fg=typer.colors.YELLOW)
     if solve and not _dry_run(root.resolve(), {name: cfg for name, (cfg, _) in passed.items()},
                               named=pipeline is not None, sample=sample):
         raise typer.Exit(1)

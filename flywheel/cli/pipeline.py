@@ -9,7 +9,7 @@ import typer
 
 from flywheel.cli.app import ROOT, TRACES, app, fail
 from flywheel.cli.errors import reported
-from flywheel.cli.preflight import checked_root, pipeline_config, preflight
+from flywheel.cli.preflight import checked_root, estimate_pipeline, hold_to_budget, pipeline_config, preflight
 from flywheel.cli.render import print_rerun, print_summary
 
 RESTORE = typer.Option(["collect"], "--restore", help="A stage checked out from DVC instead of run (repeat: "
@@ -24,7 +24,9 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yam
         refresh: bool = typer.Option(False, "--refresh", help="Rerun every stage, ignoring the cache."),
         push: bool = typer.Option(True, "--push/--no-push", help="Push datasets to the DVC remote."),
         wait: bool = typer.Option(False, "--wait", help="If the pipeline is already running here, start when it "
-                                  "ends (default: stop, naming the running one).")) -> None:
+                                  "ends (default: stop, naming the running one)."),
+        yes: bool = typer.Option(False, "--yes", help="Run even when the time estimate is over the pipeline's "
+                                 "budget_minutes, without asking.")) -> None:
     """Run the retrain flow: collect, synthesize, sft, rl, evaluate, register."""
     from flows.processes import Stopped, running_children, start_prefect_server, stop_on_signals, stop_started
     from flows.runlock import pipeline_lock, reap
@@ -38,12 +40,15 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name in pipelines.yam
         with stop_on_signals(), pipeline_lock(root, pipeline, wait=wait) as holding:
             try:
                 reap(root, mark=False)  # what dead runs left running stops now; the flow marks their runs
-                preflight(root, {pipeline: cfg})
+                env = preflight(root, {pipeline: cfg})[pipeline]
+                est = estimate_pipeline(root, pipeline, cfg, env)  # printed; recorded beside the measured times
+                hold_to_budget(root, pipeline, cfg, est, yes)
                 server = start_prefect_server(holding.record)
                 from flows.retrain import retrain
 
                 started = time.monotonic()
-                summary = retrain(pipeline=pipeline, root=str(root), refresh=refresh, push=push)
+                summary = retrain(pipeline=pipeline, root=str(root), refresh=refresh, push=push,
+                                  estimate=est.params() if est else None)
             except BaseException as err:
                 settled = holding.settle(err)  # what the flow could not report, while the server is up
                 raise

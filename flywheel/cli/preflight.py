@@ -5,12 +5,14 @@ one pipeline's bad config never stops the check or the run of another."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import typer
 
 from flywheel.cli.app import fail
+from flywheel.errors import UserFacingError
 
 
 @dataclass
@@ -94,7 +96,25 @@ def check_pipeline(root: Path, name: str, cfg, *, students: bool = True) -> Chec
         _context(root, name, cfg, checked)
     if students:
         _teacher(root, name, cfg, checked)
+        checked.warnings += same_samples(name, cfg)
     return checked
+
+
+def same_samples(name: str, cfg) -> list[str]:
+    """A teacher that cannot vary asked for several samples a task: they come out as one, and the duplicates are
+    dropped (a warning, not an error: the run is right, only slower than it need be)."""
+    n, teacher = cfg.synthesize.samples_per_task, cfg.teacher
+    if n == 1 or teacher.policy == "none":
+        return []
+    key = f"pipelines.{name}.synthesize.samples_per_task {n}"
+    if teacher.policy == "oracle" and not teacher.error_rate:
+        return [f"{key}: the oracle (a scripted solver) writes the same conversation every time, so {n - 1} of "
+                "every task's samples are dropped as duplicates; variety needs a sampling teacher (openai, vllm, "
+                "hf) with synthesize.temperature above 0"]
+    if teacher.policy != "oracle" and cfg.synthesize.temperature == 0:
+        return [f"{key} at synthesize.temperature 0: a greedy teacher writes each task's samples alike (dropped "
+                "as duplicates); set synthesize.temperature above 0 (e.g. 0.8) for variety"]
+    return []
 
 
 def _environment(root: Path, name: str, cfg, checked: Checked):
@@ -144,6 +164,51 @@ def _teacher(root: Path, name: str, cfg, checked: Checked) -> None:
         load_student(folder)
     except CheckpointError as err:
         checked.errors.append(f"{root / 'pipelines.yaml'}: pipelines.{name}.rl.opd.teacher: {err}")
+
+
+class OverBudget(UserFacingError):
+    """A run whose estimate is over its pipeline's budget_minutes, without a terminal to ask on and without --yes."""
+
+
+def estimate_pipeline(root: Path, name: str, cfg, env):
+    """Each stage's estimated time for one pipeline whose checks passed, printed; None (with a warning saying why)
+    when it cannot be estimated: an estimate never stops a check or a run."""
+    from flywheel.agent import Harness, Limits
+    from flywheel.estimate import estimate, render
+    from flywheel.train.students import resolve_student
+
+    try:
+        resolved, _ = resolve_student(cfg, root.resolve())
+        est = estimate(name, resolved, Harness(env, Limits.from_config(cfg.environment)), root.resolve())
+    except Exception as err:  # noqa: BLE001 - a student that does not load here, a solver that breaks: said, not fatal
+        typer.secho(f"  warning: pipelines.{name}: no time estimate: {type(err).__name__}: {err}",
+                    fg=typer.colors.YELLOW)
+        return None
+    typer.echo(f"  pipelines.{name}: estimated time")
+    for line in render(est):
+        typer.echo(line)
+    return est
+
+
+def hold_to_budget(root: Path, name: str, cfg, est, yes: bool) -> None:
+    """A run estimated over `budget_minutes`: asked on a terminal, refused without one (unless --yes)."""
+    import sys
+
+    from flywheel.estimate import clock
+
+    budget = cfg.budget_minutes
+    if budget is None or est is None or yes or est.total <= budget * 60:
+        return
+    said = (f"pipelines.{name}: the estimate is {clock(est.total)} (" + ", ".join(
+        f"{stage} {clock(s)}" for stage, s in est.seconds.items()) + f"), over budget_minutes {budget:g} in "
+        f"{root / 'pipelines.yaml'}")
+    if sys.stdin.isatty() and sys.stdout.isatty():
+        if typer.confirm(f"{said}. Run anyway?", default=False):
+            return
+        typer.echo(f"flywheel run {name}: not started")
+        raise typer.Exit(1)
+    raise OverBudget(f"{said}; nothing was started. Run it anyway with `flywheel run {name} --yes`, or raise "
+                     f"pipelines.{name}.budget_minutes to at least {math.ceil(est.total / 60)}")
 
 
 def stale_dvc_yaml(root: Path) -> str | None:

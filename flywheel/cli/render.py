@@ -66,11 +66,30 @@ def print_summary(summary: RetrainSummary, root: Path, seconds: float) -> None:
                   f"(aliases: {', '.join(summary.aliases) or 'none'}); {champion}")
     console.print(f"stages run: {', '.join(summary.ran) or 'none'}; cached: {', '.join(summary.cached) or 'none'}"
                   f"; {seconds:.0f}s")
+    if summary.seconds:
+        console.print(f"stage times, measured (estimated): {times_line(summary.seconds, summary.estimate)}",
+                      soft_wrap=True, highlight=False)
     console.print("\nlook at it (each command is one line; `flywheel ui` starts both):")
     for name, command in ui_commands(root).items():
         console.print(f"  {name}:")
         # never folded: a command cut over two lines does not run when pasted
         console.print(f"    {command}", soft_wrap=True, highlight=False, markup=False)
+
+
+def times_line(seconds: dict[str, float], estimate: dict[str, float]) -> str:
+    """Each stage's measured seconds beside `flywheel check`'s estimate and their ratio, e.g. `sft 61s (1:47,
+    x0.57)`: what the factor-of-2 target is read from."""
+    from flywheel.estimate import clock
+    from flywheel.metrics import STAGE_ESTIMATE
+
+    parts = []
+    for stage, took in seconds.items():
+        guess = estimate.get(STAGE_ESTIMATE.format(stage=stage))
+        ratio = f", x{took / guess:.2f}" if guess else ""
+        parts.append(f"{stage} {clock(took)}" + (f" ({clock(guess)}{ratio})" if guess is not None else ""))
+    total = estimate.get(STAGE_ESTIMATE.format(stage="total"))
+    parts.append(f"total {clock(sum(seconds.values()))}" + (f" ({clock(total)})" if total is not None else ""))
+    return ", ".join(parts)
 
 
 def print_eval(result, pipeline: str) -> None:

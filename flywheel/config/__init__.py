@@ -105,6 +105,10 @@ class PipelineConfig(Section):
     gate: GateConfig = GateConfig()
     schedule: ScheduleConfig | None = None  # none: no scheduled retrain (a trigger or a manual run still can)
     trigger: TriggerConfig | None = None  # none: no sensor watching the trace sources
+    # The minutes a run may take, by `flywheel check`'s estimate (flywheel/estimate.py): over it, `flywheel run`
+    # asks before starting (on a terminal) or stops with the estimate (without one; `--yes` runs anyway).
+    # none: no limit. Not a stage's parameter: no cache or dvc.yaml reads it.
+    budget_minutes: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _teacher_can_teach(self) -> PipelineConfig:
