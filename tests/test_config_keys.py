@@ -104,11 +104,16 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
 def page() -> str:
     """docs/keys.md as the models are now."""
     parts = [HEAD]
+    scalars = [name for name, field in PipelineConfig.model_fields.items() if not _models(field.annotation)]
     for section, field in PipelineConfig.model_fields.items():
         for model in _models(field.annotation):
             optional = " (optional)" if not field.is_required() else ""
             parts += [f"## {section}{optional}", "", "| key | default | meaning |", "| --- | --- | --- |",
                       *_rows(model, section + "."), ""]
+    if scalars:  # keys of a pipeline that are no section (budget_minutes)
+        parts += ["## Keys beside the sections", "", "| key | default | meaning |", "| --- | --- | --- |",
+                  *[f"| `{name}` | `{_shown(PipelineConfig.model_fields[name].default)}` | "
+                    f"{_meaning(PipelineConfig, name)} |" for name in scalars], ""]
     return "\n".join(parts)
 
 
@@ -118,7 +123,7 @@ def test_the_keys_page_is_what_the_models_say():
 
 def test_the_page_names_every_section_and_a_known_default():
     text = PAGE.read_text()
-    assert all(f"## {section}" in text for section in PipelineConfig.model_fields)
+    assert all(f"## {section}" in text or f"| `{section}` |" in text for section in PipelineConfig.model_fields)
     default = PipelineConfig.model_fields["environment"].annotation.model_fields["max_turns"].default
     assert f"| `environment.max_turns` | `{default}` | Assistant messages per episode" in text
 
