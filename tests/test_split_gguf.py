@@ -1,6 +1,7 @@
 """A GGUF file shipped in several packages (`parts:FILE`): joined once into the GGUF cache, checked against its
 recorded size and sha256, and every way it can be missing named with its fix; (slow, where `make qwen-setup` has
-run) the real bigger student, Qwen2.5-Coder-0.5B-Instruct, loaded from its six packages."""
+run) the real bigger student, Qwen2.5-Coder-0.5B-Instruct, loaded from its six packages and one LoRA step of
+the sft stage on it."""
 
 from __future__ import annotations
 
@@ -89,10 +90,13 @@ QWEN_INSTALLED = all(importlib.util.find_spec(package) is not None
 @pytest.mark.slow
 @pytest.mark.skipif(not QWEN_INSTALLED or importlib.util.find_spec("gguf") is None,
                     reason="the bigger student is opt-in: `make qwen-setup` (491 MB) has not run here")
-def test_qwen_coder_loads_from_its_parts_with_a_tool_template_it_can_train_on():
+def test_qwen_coder_loads_from_its_parts_with_a_tool_template_it_can_train_on(tmp_path):
     import torch
+    from family_students import calculator_rows
 
     from flywheel.checkpoints import load_student
+    from flywheel.config import LoRAConfig, SFTConfig
+    from flywheel.train.sft import train_sft
     from flywheel.train.templates import has_generation_markers, training_template
 
     torch.set_num_threads(2)
@@ -112,3 +116,10 @@ def test_qwen_coder_loads_from_its_parts_with_a_tool_template_it_can_train_on():
     with torch.inference_mode():
         out = model.generate(**ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
+    del model
+
+    # one LoRA step of the sft stage on its own template (the adapter saved, not a merged 2.5 GB copy)
+    cfg = SFTConfig(steps=1, batch_size=2, lr=1e-3, warmup_steps=0, max_length=512, eval_fraction=0.0, log_every=1,
+                    lora=LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"], save="adapter"))
+    result = train_sft(QWEN_CODER_05B, calculator_rows(4), tmp_path / "sft", cfg, device="cpu")
+    assert result["steps"] == 1 and result["tokens"] > 0 and (tmp_path / "sft" / "adapter_config.json").is_file()
