@@ -114,7 +114,11 @@ def run_project(student: Path, env, tasks, cfg, out: Path, limits) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (as run_trl, before its clock)
 
     from flywheel.agent import Harness
-    from flywheel.policies.hf import HFPolicy  # noqa: F401  (the policy's modules, as TRL's trainer before its clock)
+
+    # the modules the run uses imported before its clock, as TRL's trainer is before TRL's: neither side's clock
+    # counts its framework's imports (the project's RL actor imports MLflow, about a second)
+    from flywheel.policies.hf import HFPolicy  # noqa: F401
+    from flywheel.train.rl import actor, learner  # noqa: F401
     from flywheel.train.rl.loop import train_rl
 
     steps: list[tuple[float, dict]] = []
