@@ -93,9 +93,9 @@ def decode_episodes(model, first: list[Source], constraints: list | None, sampli
             stats.rows += 1
         if not any(r is not None for r in rows):
             break
-        # one step for every slot: the rows in their turn read their token; the others a masked pad
-        # (a free slot attends to its pad alone, so that no row of the batch is all masked)
-        free = torch.tensor([r is None for r in rows])
+        # one step for every slot: the rows in their turn read their token; the others a masked pad (a free slot,
+        # or one just taken by a waiting conversation, attends to its pad alone, so that no row is all masked)
+        free = torch.tensor([r is None for r in rows]) | (mask.sum(dim=1) == 0).cpu()
         mask = torch.cat([mask, (stepping | free).to(mask.dtype)[:, None].to(mask.device)], dim=1)
         out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=position[:, None], cache=cache,
                     use_cache=True)
