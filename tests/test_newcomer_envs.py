@@ -25,7 +25,8 @@ def _check(tmp_path: Path, domain: str) -> subprocess.CompletedProcess:
     # `envs`, which one interpreter would import once
     root = tmp_path / domain
     shutil.copytree(NEWCOMER / domain, root, ignore=shutil.ignore_patterns("data", "models", ".flywheel"))
-    return subprocess.run([str(Path(sys.executable).parent / "flywheel"), "check", domain, "--solve",
+    # --no-estimate: the time estimate would probe SmolLM2 (the default student), tested in tests/test_estimate.py
+    return subprocess.run([str(Path(sys.executable).parent / "flywheel"), "check", domain, "--solve", "--no-estimate",
                            "--root", str(root)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
 

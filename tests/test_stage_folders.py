@@ -88,7 +88,8 @@ def test_each_stage_pulls_what_it_reads_and_goes_to_its_queue(tmp_path):
     from flows.deployments import DeployError, stage_job_variables
     from flows.stage import QUEUE, upstream
 
-    assert upstream("collect") == [] and upstream("sft") == ["synthesize"]
+    # sft reads collect too: its validation slice is drawn from the train tasks
+    assert upstream("collect") == [] and upstream("sft") == ["collect", "synthesize"]
     assert upstream("evaluate") == ["collect", "synthesize", "sft", "rl"]
     assert upstream("register") == ["collect", "rl", "evaluate"]
 
