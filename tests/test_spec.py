@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -112,7 +114,18 @@ def test_every_stage_in_order_needs_exactly_one_spec():
 
 
 def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, capture_output=True, text=True, timeout=120)
+    # no analytics: DVC's daemon would write into .dvc/ after the command returns
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DVC_NO_ANALYTICS": "1"})
+
+
+def _remove(folder: Path, deadline_s: float = 30.0) -> None:
+    """rmtree that outlasts a process still writing into the folder for a moment (DVC's background work)."""
+    until = time.monotonic() + deadline_s
+    while folder.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        assert time.monotonic() < until, f"{folder} could not be removed in {deadline_s} s"
+        time.sleep(0.1)
 
 
 def test_a_project_outside_this_repository_gets_deps_that_exist_in_real_dvc(tmp_path):
@@ -158,7 +171,7 @@ def test_a_project_outside_this_repository_gets_deps_that_exist_in_real_dvc(tmp_
     (root / CODE_FILE).unlink()  # a dvc.yaml written by `python -m tasks.spec > dvc.yaml` alone
     assert f"{root / CODE_FILE} does not exist" in stale(root)
 
-    shutil.rmtree(root / ".dvc")
+    _remove(root / ".dvc")
     (root / "dvc.yaml").unlink()
     assert stale(root) is None  # no DVC here: nothing to be out of date (check prints a note)
     done = CliRunner().invoke(app, ["check", "--root", str(root)])
