@@ -119,11 +119,8 @@ class HFPolicy:
                         device) -> list[Completion]:
         import torch
 
-        from flywheel.policies.toolcalls import canonical_messages
-
         tok = self.tokenizer
-        rows = tok.apply_chat_template([canonical_messages(c) for c in conversations], tools=tools or None,
-                                       add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        rows = self._render(conversations, tools)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         constraints = self._constraints(tools, sampling, len(rows))
 
@@ -136,6 +133,14 @@ class HFPolicy:
             decoded = decode(self.model, sources, sampling, tok.eos_token_id, pad, constraints, self.stats,
                              keep=keep if self.kept.max_bytes else None)
         return [self._completion(len(ids_in), row) for ids_in, row in zip(rows, decoded, strict=True)]
+
+    def _render(self, conversations: Sequence[list[dict]], tools: list[dict]) -> list[list[int]]:
+        """Each conversation's token ids through the chat template, up to the assistant's next turn."""
+        from flywheel.policies.toolcalls import canonical_messages
+
+        return self.tokenizer.apply_chat_template([canonical_messages(c) for c in conversations],
+                                                  tools=tools or None, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"]
 
     def _completion(self, prompt_tokens: int, row: Decoded) -> Completion:
         tok = self.tokenizer
@@ -153,18 +158,11 @@ class HFPolicy:
         `then`)."""
         import torch
 
-        from flywheel.policies.toolcalls import canonical_messages
-
         if not conversations:
             return []
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
-        def render(conversation: list[dict]) -> list[int]:
-            return tok.apply_chat_template(canonical_messages(conversation), tools=tools or None,
-                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-
-        rows = [render(c) for c in conversations]
+        rows = self._render(conversations, tools)
         constraints = self._constraints(tools, sampling, len(rows)) or [None] * len(rows)
         sources = self._sources(rows, device)
         prompts, started = [len(r) for r in rows], [time.perf_counter()] * len(rows)
@@ -178,7 +176,7 @@ class HFPolicy:
             if going_on is None:
                 return None
             conversation, max_new_tokens = going_on
-            ids = render(conversation)
+            [ids] = self._render([conversation], tools)
             prompts[key], started[key] = len(ids), time.perf_counter()
             return Next(ids, max_new_tokens, (self._constraints(tools, sampling, 1) or [None])[0])
 
