@@ -267,6 +267,17 @@ def adapter_base(folder: str | Path) -> str | None:
     return json.loads(config.read_text()).get("base_model_name_or_path") if config.exists() else None
 
 
+def same_weights(a: str | Path, b: str | Path) -> bool:
+    """Whether two checkpoint folders hold the same safetensors files, byte for byte."""
+    import filecmp
+
+    a, b = Path(a), Path(b)
+    names = sorted(p.relative_to(a) for p in a.rglob("*.safetensors"))
+    if not names or names != sorted(p.relative_to(b) for p in b.rglob("*.safetensors")):
+        return False
+    return all(filecmp.cmp(a / n, b / n, shallow=False) for n in names)
+
+
 def save_student(model, tokenizer, out_dir: str | Path) -> Path:
     """Write (model, tokenizer) as a checkpoint folder that load_student reads back (safetensors).
 

@@ -30,7 +30,8 @@ from flywheel.train.probe import Speed, measure
 STAGES = ("synthesize", "sft", "rl", "evaluate")
 SAMPLE_TASKS = 16  # train tasks whose conversations stand for all of them
 PADDING_DRAWS = 200  # random batches drawn to find the expected longest row of a batch (what SFT pads to)
-GENERATION_BATCH = 64  # the hf policy's batch (flywheel/policies/hf.py); evaluate's is evaluate.batch_size
+# the hf policy's batch (flywheel/policies/hf.py) and SFT validation's (tasks/sft.py); evaluate's is its batch_size
+GENERATION_BATCH = 64
 # Starting a stage and finishing it: its MLflow run, its outputs written, hashed and committed to DVC (2-4 s a
 # stage on the 2-core machine, measured on the small pipeline's collect and register): not measured by the probe.
 STAGE_OVERHEAD_S = 3.0
@@ -66,6 +67,7 @@ class Estimate:
     speed: Speed | None  # None: nothing to measure it for (no tasks)
     conversations: Conversations | None
     notes: list[str] = field(default_factory=list)
+    sft_shape: tuple[int, float] | None = None  # SFT's batch: rows, padded width (the training step render shows)
 
     @property
     def total(self) -> float:
@@ -98,7 +100,7 @@ def estimate(name: str, cfg: PipelineConfig, harness: Harness, root: Path, refre
     if convs is None:
         reason = "no tasks before collect (they come from traces): run collect, then check again"
         return Estimate(name, dict.fromkeys(STAGES), dict.fromkeys(STAGES, reason), None, None, [reason])
-    speed = measure(cfg, root, padded_length(convs.lengths, cfg.sft.batch_size, cfg.sft.max_length), refresh)
+    speed = measure(cfg, root, refresh)
     n = cfg.synthesize.samples_per_task
     teacher = cfg.teacher.policy
     if teacher == "oracle" and convs.solver_s is not None:
@@ -115,7 +117,7 @@ def estimate(name: str, cfg: PipelineConfig, harness: Harness, root: Path, refre
     per_task = 1 if teacher == "oracle" or cfg.synthesize.keep_best_only else n
     examples = round(len(synth_tasks) * per_task * convs.passed)
     seconds["sft"], inputs["sft"] = _sft(cfg, convs, examples, speed)
-    seconds["rl"], inputs["rl"] = _rl(cfg, convs, speed)
+    seconds["rl"], inputs["rl"] = _rl(cfg, convs, speed, len(train))
     seconds["evaluate"], inputs["evaluate"] = _evaluate(cfg, convs, len(heldout), speed)
     seconds = {stage: s if s is None or s == 0 else s + STAGE_OVERHEAD_S for stage, s in seconds.items()}
     notes.append(f"each stage {STAGE_OVERHEAD_S:.0f} s to start and finish; rl's actors and learner counted one "
@@ -123,7 +125,8 @@ def estimate(name: str, cfg: PipelineConfig, harness: Harness, root: Path, refre
                  "champion and references")
     if cfg.synthesize.include_accepted_traces:
         notes.append("SFT's examples leave out the accepted traces (their number is known after collect)")
-    return Estimate(name, seconds, inputs, speed, convs, notes)
+    width = sft_width(cfg, convs, sft_split(cfg, examples)[2])
+    return Estimate(name, seconds, inputs, speed, convs, notes, (cfg.sft.batch_size, width))
 
 
 def conversations(cfg: PipelineConfig, harness: Harness, train: list[Task], root: Path) -> Conversations:
@@ -211,11 +214,35 @@ class _Counter:
         return len(self.ids(messages, prompt))
 
 
-def padded_length(lengths: list[int], batch: int, cap: int, seed: int = 0) -> float:
-    """The expected longest row of a random batch of `batch` examples, each cut to `cap`: a padded batch's width."""
-    rng = random.Random(seed)
+def padded_length(lengths: list[int], batch: int, cap: int, grouped_from: int = 0, seed: int = 0) -> float:
+    """The expected longest row of a batch of `batch` examples, each cut to `cap`: a padded batch's width. Random
+    batches: drawn. Batches grouped by length out of `grouped_from` examples (sft.group_by_length): the sampler
+    sorts a random set of up to 50 batches' worth and cuts it, so a batch holds neighbours in length, a share
+    batch / set of the lengths: the width is the longest of that many neighbours among `lengths`."""
     capped = [min(length, cap) for length in lengths]
+    if grouped_from:
+        together = min(grouped_from, batch * max(1, min(grouped_from // (batch * 4), 50)))
+        near = max(1, min(len(capped), math.ceil(len(capped) * batch / together)))
+        ordered = sorted(capped)
+        return sum(max(ordered[i:i + near]) for i in range(len(ordered) - near + 1)) / (len(ordered) - near + 1)
+    rng = random.Random(seed)
     return sum(max(rng.choices(capped, k=batch)) for _ in range(PADDING_DRAWS)) / PADDING_DRAWS
+
+
+def sft_split(cfg: PipelineConfig, examples: int) -> tuple[int, int, int]:
+    """SFT's `examples` conversations as (validation slice, eval loss slice, trained on)."""
+    sft = cfg.sft
+    validating = (int(sft.validation_tasks) if sft.validation_tasks >= 1
+                  else round(sft.validation_tasks * examples)) if sft.validation_tasks else 0
+    validating = max(0, min(validating, examples - 1))
+    held = round((examples - validating) * sft.eval_fraction)
+    return validating, held, examples - validating - held
+
+
+def sft_width(cfg: PipelineConfig, convs: Conversations, trained: int) -> float:
+    """SFT's padded batch width over the sampled conversations, as its batches are drawn."""
+    sft = cfg.sft
+    return padded_length(convs.lengths, sft.batch_size, sft.max_length, trained if sft.group_by_length else 0)
 
 
 def generation_s(rows: int, turns: float, tokens_per_turn: float, read_tokens: float, batch: int,
@@ -225,23 +252,33 @@ def generation_s(rows: int, turns: float, tokens_per_turn: float, read_tokens: f
     reads only what is new, its cache kept; the shared `opening` once a batch)."""
     batches, width = math.ceil(rows / batch), min(rows, batch)
     read = batches * opening + rows * (read_tokens - opening)
-    return turns * batches * tokens_per_turn * speed.decode_s(width) + speed.forward_time(read)
+    # each turn's new tokens are read in one pass a batch
+    return (turns * batches * tokens_per_turn * speed.decode_s(width)
+            + speed.forward_time(read, math.ceil(turns) * batches))
 
 
 def _sft(cfg: PipelineConfig, convs: Conversations, examples: int, speed: Speed) -> tuple[float, str]:
+    from flywheel.train.sft_validation import validation_steps
+
     sft = cfg.sft
-    held = round(examples * sft.eval_fraction)
-    steps = cfg.sft.planned_steps(examples - held)
-    width = padded_length(convs.lengths, sft.batch_size, sft.max_length)
+    # the validation slice's tasks are left out of SFT's data and answered greedily at each validation point
+    validating, held, trained = sft_split(cfg, examples)
+    steps = cfg.sft.planned_steps(trained)
+    width = sft_width(cfg, convs, trained)
     opening = min(convs.opening, width)
-    train = steps * speed.train_time(opening + sft.batch_size * (width - opening))
-    evals = (steps // sft.eval_every + 1) * speed.forward_time(held * width)
-    return speed.load_s + train + evals, (f"{steps} steps (sft.planned_steps({examples - held})) x batch "
-                                          f"{sft.batch_size} x {width:.0f} padded tokens at "
-                                          f"{speed.train_tokens_per_s:,.0f} tokens/s")
+    step = opening + sft.batch_size * (width - opening)
+    train = speed.train_time(steps * step, steps)
+    evals = (steps // sft.eval_every + 1) * speed.forward_time(held * width, math.ceil(held / sft.batch_size))
+    points = len(validation_steps(sft, trained, steps)) if validating else 0
+    checks = points * generation_s(validating, convs.turns, convs.tokens_per_turn, convs.read_tokens,
+                                   GENERATION_BATCH, speed, convs.opening)
+    return speed.load_s + train + evals + checks, (
+        f"{steps} steps (sft.planned_steps({trained})) x batch {sft.batch_size} x {width:.0f} padded tokens at "
+        f"{speed.train_step_s(step):.1f} s a step" + (f", {points} validation point(s) of {validating} tasks"
+                                                        if points else ""))
 
 
-def _rl(cfg: PipelineConfig, convs: Conversations, speed: Speed) -> tuple[float, str]:
+def _rl(cfg: PipelineConfig, convs: Conversations, speed: Speed, train: int) -> tuple[float, str]:
     rl = cfg.rl
     if rl.steps == 0:
         return 0.0, "rl.steps 0"
@@ -250,13 +287,15 @@ def _rl(cfg: PipelineConfig, convs: Conversations, speed: Speed) -> tuple[float,
     generate = generation_s(rows, convs.turns, per_turn, convs.read_tokens, GENERATION_BATCH, speed, convs.opening)
     length = sum(min(n, rl.max_length) for n in convs.lengths) / len(convs.lengths)
     forwards = 1 + (rl.kl_beta > 0)  # the old logprobs, and the reference's
-    read = math.ceil(rows / rl.minibatch_size) * convs.opening + rows * max(length - convs.opening, 0)
-    learn = speed.train_time(rl.epochs_per_batch * read) + forwards * speed.forward_time(read)
+    minibatches = math.ceil(rows / rl.minibatch_size)
+    read = minibatches * convs.opening + rows * max(length - convs.opening, 0)
+    learn = (speed.train_time(rl.epochs_per_batch * read, rl.epochs_per_batch * minibatches)
+             + forwards * speed.forward_time(read, minibatches))
     checks = 0.0
-    if rl.keep_best:
-        checks += (rl.steps // rl.validate_every + 1) * generation_s(
-            rl.validate_tasks, convs.turns, convs.tokens_per_turn, convs.read_tokens, GENERATION_BATCH, speed,
-            convs.opening)
+    if rl.keep_best:  # versions 0, every validate_every-th and the last, on at most half the train tasks
+        points = len({0, *range(rl.validate_every, rl.steps + 1, rl.validate_every), rl.steps})
+        checks += points * generation_s(min(rl.validate_tasks, train // 2), convs.turns, convs.tokens_per_turn,
+                                        convs.read_tokens, GENERATION_BATCH, speed, convs.opening)
     if rl.monitor_every:
         checks += (rl.steps // rl.monitor_every + 1) * generation_s(
             rl.monitor_tasks, convs.turns, convs.tokens_per_turn, convs.read_tokens, GENERATION_BATCH, speed,
@@ -293,12 +332,13 @@ def render(est: Estimate) -> list[str]:
     sp, convs = est.speed, est.conversations
     lines = []
     if sp is not None:
-        scaled = (f" (timed on {sp.timed_rows} x {sp.timed_width}, scaled)"
-                  if (sp.timed_rows, sp.timed_width) != (sp.batch, sp.width) else "")
+        rows, width = est.sft_shape or (1, 64)
+        tokens = rows * width
         lines += [f"    student {sp.student} on this machine ({sp.machine}, {sp.threads} threads), "
-                  f"{'kept in .flywheel/probe/' if sp.cached else 'measured now'}: a training step of {sp.batch} x "
-                  f"{sp.width} tokens {sp.train_step_s:.2f} s{scaled} ({sp.train_tokens_per_s:,.0f} tokens/s), a "
-                  f"forward pass {sp.forward_tokens_per_s:,.0f} tokens/s, a decode step " + ", ".join(
+                  f"{'kept in .flywheel/probe/' if sp.cached else 'measured now'}: a training step of {rows} x "
+                  f"{width:.0f} tokens {sp.train_step_s(tokens):.2f} s ({sp.train_fixed_s:.2f} s a step + "
+                  f"{sp.train_token_s * 1000:.2f} ms a token), a forward pass of it "
+                  f"{sp.forward_time(tokens):.2f} s, a decode step " + ", ".join(
                       f"{t * 1000:.1f} ms at batch {b}" for b, t in sorted(sp.decode_step_s.items()))
                   + f", loading {sp.load_s:.1f} s"]
     if convs is not None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 
 from flywheel import registry
-from flywheel.checkpoints import saved_chat_template
+from flywheel.checkpoints import same_weights, saved_chat_template
 from flywheel.config import PipelineConfig
 from flywheel.contract import Task, prompt_hash
 from flywheel.data.catalog import Catalog, content_hash
@@ -48,9 +49,17 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
         heldout = _heldout(catalog)
         candidate_hash = content_hash([catalog.model_dir("rl")], root_path)
         arms, champion_version = _arms(cfg, catalog, pipeline, candidate_hash, root_path)
-        scored = {arm.label: score_arm(arm, stage.harness, heldout, samples=cfg.evaluate.samples,
-                                       temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed)
-                  for arm in arms}
+        twins = _twins(cfg, catalog)
+        scored = {}
+        for arm in arms:
+            if arm.label in twins:  # the same weights and template as an arm already scored: the same episodes
+                twin = scored[twins[arm.label]]
+                scored[arm.label] = replace(twin, rows=[row | {"model": arm.label} for row in twin.rows])
+                print(f"      evaluate: {arm.label}: the {twins[arm.label]} checkpoint byte for byte (greedy): "
+                      f"its episodes", flush=True)
+                continue
+            scored[arm.label] = score_arm(arm, stage.harness, heldout, samples=cfg.evaluate.samples,
+                                          temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed)
         table = pd.DataFrame([row for s in scored.values() for row in s.rows], columns=list(Eval.to_schema().columns))
         catalog.write("eval", table)
 
@@ -125,6 +134,16 @@ def _arms(cfg: PipelineConfig, catalog: Catalog, pipeline: str, candidate_hash: 
                 for label, path in models.items()]
     references = [reference_arm(r, root, cfg.evaluate.batch_size) for r in cfg.evaluate.references]
     return [null_arm(), *students, *references], champion.version if "champion" in models else None
+
+
+def _twins(cfg: PipelineConfig, catalog: Catalog) -> dict[str, str]:
+    """{"rl": "sft"} when RL's output is SFT's checkpoint byte for byte under the same template (RL kept version
+    0, or made no update) and evaluate decodes greedily only: its episodes would be SFT's, token for token, so
+    they are not generated twice. Otherwise {}."""
+    if cfg.evaluate.samples or not same_weights(catalog.model_dir("sft"), catalog.model_dir("rl")):
+        return {}
+    templates = _templates(catalog)
+    return {"rl": "sft"} if templates.get("rl") == templates.get("sft") else {}
 
 
 def _monitor_flags(catalog: Catalog) -> list[str]:

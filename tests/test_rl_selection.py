@@ -31,8 +31,11 @@ def test_the_validation_sample_is_set_aside_from_the_tasks_rl_draws():
     assert {t.task_id for t in validation} == {t.task_id for t in sorted(TASKS, key=lambda t: t.task_id)[:6]}
     assert rest == [t for t in TASKS if t not in validation]
     assert validation_split(TASKS, CFG) == ([], TASKS)  # keep_best off: every task trains
-    with pytest.raises(ValueError, match=r"validate_tasks \(16\) train tasks aside .* only 16"):
-        validation_split(TASKS, KEEP.model_copy(update={"validate_tasks": 16}))
+    # at most half the tasks: RL keeps the rest to learn from (a default of 24 on a user's 20 train tasks)
+    validation, rest = validation_split(TASKS, KEEP.model_copy(update={"validate_tasks": 16}))
+    assert len(validation) == len(rest) == len(TASKS) // 2
+    with pytest.raises(ValueError, match=r"only 1: add train tasks or set rl.keep_best: false"):
+        validation_split(TASKS[:1], KEEP)
 
 
 def test_the_output_is_the_best_validated_version_and_learning_is_unchanged(tiny_student, tmp_path):

@@ -190,3 +190,22 @@ def test_a_shared_opening_is_read_once_with_the_same_loss_and_gradients(tiny_stu
     assert float(loss.detach()) == pytest.approx(float(whole.detach()), rel=1e-5)
     assert shared and all(torch.allclose(shared[n], p.grad, rtol=1e-4, atol=1e-6)
                           for n, p in model.named_parameters() if p.grad is not None)
+
+
+def test_batches_grouped_by_length_pad_less_than_random_ones(tiny_student, rows, tmp_path):
+    """sft.group_by_length: the trainer's batches hold conversations of about one length, so an epoch reads fewer
+    padded tokens than random batches of the same conversations (every one still read once)."""
+    # conversations of two lengths: each calculator one, and each with a second exchange appended
+    longer = [{"messages": r["messages"] + r["messages"][1:], "tools": r["tools"]} for r in rows[:32]]
+    mixed = rows[:32] + longer
+
+    def epoch(grouped: bool) -> tuple[int, int]:
+        trainer, _, _ = build_sft_trainer(tiny_student, mixed, tmp_path / f"out-{grouped}",
+                                          small(group_by_length=grouped, eval_fraction=0.0))
+        batches = list(trainer.get_train_dataloader())
+        real = sum(int(b["attention_mask"].sum()) for b in batches)
+        return sum(b["input_ids"].numel() for b in batches), real
+
+    grouped, random = epoch(True), epoch(False)
+    assert grouped[1] == random[1]  # the same tokens read ...
+    assert grouped[0] < random[0]  # ... with less padding

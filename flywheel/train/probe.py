@@ -1,12 +1,13 @@
 """A timed probe of the chosen student on this machine: how fast it trains, reads and writes tokens here.
 
 `flywheel check` turns it into each stage's estimated time (flywheel/estimate.py). The probe loads the student
-(the tiny one is built at random from its config: it does not exist before SFT), then times a training step
-(forward, backward, optimiser; LoRA when SFT uses it) and a forward pass of SFT's batch shape, and single-token
-decode steps with a kept cache at three batch sizes, in rounds (each round times every one once). It takes
-seconds; the result is kept under .flywheel/probe/,
-keyed by the student, what its step depends on (LoRA, precision, the batch's shape), this machine and torch's
-thread count, so a second check reads it.
+(the tiny one is built at random from its config: it does not exist before SFT), then times training steps
+(forward, backward, optimiser; LoRA when SFT uses it) and forward passes of two shapes, a short row and a larger
+part, which draw a line: a fixed cost a step plus a cost a token, so any batch's step follows from it; and
+single-token decode steps with a kept cache at three batch sizes. Each is timed in rounds (each round times every
+one once). It takes seconds; the result is kept under .flywheel/probe/, keyed by the student, what its step
+depends on (LoRA, precision), this machine and torch's thread count, so a second check (or another pipeline with
+the same student) reads it.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ PROBE_DIR = ".flywheel/probe"  # under the project root; FLYWHEEL_PROBE_DIR name
 # after DECODE_CONTEXT tokens read once.
 DECODE_BATCHES = (1, 8, 64)
 DECODE_CONTEXT = 32
-# A training (or forward) step is timed at SFT's width with its whole batch, or, where that step would take longer
-# than STEP_BUDGET_S, with the largest power-of-two part of the batch that does not (one row cut shorter if even
-# one full row would), scaled up by the tokens: a large student is compute-bound (its time grows with the
-# tokens), a tiny one is bound by each call's fixed cost (and then timed whole).
-STEP_BUDGET_S = 0.5
+# Training and forward steps are timed on SHORT (rows, tokens) and PART: a step of any shape is on the line through
+# them. Both ends matter: a pretrained student with LoRA pays a large fixed cost a step (SmolLM2's 30 layers: a
+# third of a second, whatever the length; scaling one short row by its tokens alone put a 12 s step at 40 s), a
+# tiny one almost nothing but that.
+SHORT, PART = (1, 64), (2, 256)
+PROBE_FORM = 2  # the probe's method: a record an older one kept is measured again
 # Rounds of every measurement in turn (_rounds): a warm-up, then at least ROUNDS, more while within ROUNDS_S, at
 # most MAX_ROUNDS; the fastest of each counts, the least disturbed by whatever else runs here.
 ROUNDS, ROUNDS_S, MAX_ROUNDS = 3, 2.0, 12
@@ -38,37 +40,31 @@ ROUNDS, ROUNDS_S, MAX_ROUNDS = 3, 2.0, 12
 
 @dataclass(frozen=True)
 class Speed:
-    """The student's measured speed on this machine: a training and a forward step of SFT's shape, decode steps,
-    loading."""
+    """The student's measured speed on this machine: a training and a forward step of any shape (a fixed cost a
+    step plus a cost a token), decode steps, loading."""
 
     student: str
     machine: str
     threads: int
-    batch: int  # SFT's batch ...
-    width: int  # ... of rows this many tokens long: the step timed
-    train_step_s: float  # forward + backward + optimiser step of that batch (LoRA when sft.lora is set)
-    forward_step_s: float  # a forward pass of that batch, no gradients
-    timed_rows: int  # the rows actually timed, each timed_width tokens (the step scaled up from them by the tokens
-    timed_width: int  # when fewer than batch x width)
+    train_fixed_s: float  # forward + backward + optimiser step (LoRA when sft.lora is set): whatever its length ...
+    train_token_s: float  # ... plus this a token
+    forward_fixed_s: float  # a forward pass, no gradients: the same two parts
+    forward_token_s: float
     decode_step_s: dict[int, float]  # one new token for every row of a batch of this size, with a kept cache
     load_s: float  # loading (or building) the student, its libraries already imported
     cached: bool = False  # read from .flywheel/probe/ rather than measured now
 
-    @property
-    def train_tokens_per_s(self) -> float:
-        return self.batch * self.width / self.train_step_s
+    def train_step_s(self, tokens: float) -> float:
+        """Seconds for one training step over a batch of `tokens` tokens (padding included)."""
+        return self.train_fixed_s + self.train_token_s * tokens
 
-    @property
-    def forward_tokens_per_s(self) -> float:
-        return self.batch * self.width / self.forward_step_s
+    def train_time(self, tokens: float, steps: float = 1) -> float:
+        """Seconds of `steps` training steps over `tokens` tokens in all."""
+        return steps * self.train_fixed_s + self.train_token_s * tokens
 
-    def train_time(self, tokens: float) -> float:
-        """Seconds of training steps over `tokens` tokens (at the timed step's rate)."""
-        return tokens / self.train_tokens_per_s
-
-    def forward_time(self, tokens: float) -> float:
-        """Seconds of forward passes over `tokens` tokens."""
-        return tokens / self.forward_tokens_per_s
+    def forward_time(self, tokens: float, passes: float = 1) -> float:
+        """Seconds of `passes` forward passes over `tokens` tokens in all."""
+        return passes * self.forward_fixed_s + self.forward_token_s * tokens
 
     def decode_s(self, batch: int) -> float:
         """Seconds for one decode step of a batch of `batch` rows: on the straight line between the two measured
@@ -92,26 +88,23 @@ def machine() -> str:
     return f"{platform.node()} | {cpu} | {os.cpu_count()} cores"
 
 
-def probe_key(cfg: PipelineConfig, threads: int, width: int) -> str:
-    """What a measurement depends on: the student (its tiny config), LoRA, precision, SFT's batch and width, the
-    machine, the threads."""
+def probe_key(cfg: PipelineConfig, threads: int) -> str:
+    """What a measurement depends on: the student (its tiny config), LoRA, precision, the machine, the threads."""
     student = cfg.student.model_dump(mode="json", include={"model", "tiny"} if cfg.student.model == "tiny"
                                      else {"model"})
     lora = cfg.sft.lora.model_dump(mode="json", include={"r", "target_modules"}) if cfg.sft.lora else None
-    text = json.dumps([student, lora, cfg.sft.precision, cfg.sft.batch_size, width, machine(), threads,
-                       DECODE_BATCHES, DECODE_CONTEXT], sort_keys=True)
+    text = json.dumps([student, lora, cfg.sft.precision, machine(), threads, SHORT, PART, DECODE_BATCHES,
+                       DECODE_CONTEXT, PROBE_FORM], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def measure(cfg: PipelineConfig, root: Path, width: float, refresh: bool = False) -> Speed:
-    """The student's speed here (cfg with `auto` resolved) on SFT batches of rows `width` tokens long: from
-    .flywheel/probe/ when measured before."""
+def measure(cfg: PipelineConfig, root: Path, refresh: bool = False) -> Speed:
+    """The student's speed here (cfg with `auto` resolved): from .flywheel/probe/ when measured before."""
     import torch
 
     threads = torch.get_num_threads()
-    width = max(8, round(width / 8) * 8)  # (a few tokens more or less is the same probe)
     folder = Path(os.environ.get("FLYWHEEL_PROBE_DIR") or Path(root) / PROBE_DIR)
-    path = folder / f"{probe_key(cfg, threads, width)}.json"
+    path = folder / f"{probe_key(cfg, threads)}.json"
     if path.is_file() and not refresh:
         try:
             data = json.loads(path.read_text())
@@ -119,7 +112,7 @@ def measure(cfg: PipelineConfig, root: Path, width: float, refresh: bool = False
             return Speed(**(data | {"cached": True}))
         except (ValueError, TypeError, KeyError):
             pass  # a damaged or older record: measured again
-    speed = _timed(cfg, root, threads, width)
+    speed = _timed(cfg, root, threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(asdict(speed), indent=1, sort_keys=True))
@@ -127,7 +120,7 @@ def measure(cfg: PipelineConfig, root: Path, width: float, refresh: bool = False
     return speed
 
 
-def _timed(cfg: PipelineConfig, root: Path, threads: int, width: int) -> Speed:
+def _timed(cfg: PipelineConfig, root: Path, threads: int) -> Speed:
     import torch
     import transformers  # noqa: F401 - imported once a process: not part of loading the student
 
@@ -156,35 +149,35 @@ def _timed(cfg: PipelineConfig, root: Path, threads: int, width: int) -> Speed:
         optimiser.zero_grad(set_to_none=True)
         return time.perf_counter() - started
 
-    batch = cfg.sft.batch_size
+    short, part = (torch.randint(0, vocab, shape, generator=generator) for shape in (SHORT, PART))
     model.train()
-    short = min(width, 64)
-    one = torch.randint(0, vocab, (1, short), generator=generator)
-    train_step(one)  # the first step also allocates: a warm-up
-    row_s = train_step(one) * width / short  # one row of the full width, about
-    rows, timed_width = 1, width
-    if row_s * batch <= 2 * STEP_BUDGET_S:
-        rows = batch  # the whole batch is close enough: timed whole
-    elif row_s <= STEP_BUDGET_S:
-        while rows * 2 <= batch and row_s * rows * 2 <= STEP_BUDGET_S:
-            rows *= 2
-    else:  # a large student: one row, cut to what fits the budget (its time grows with the tokens)
-        timed_width = max(short, int(width * STEP_BUDGET_S / row_s) // 8 * 8)
-    ids = torch.randint(0, vocab, (rows, timed_width), generator=generator)
-    scale = batch * width / (rows * timed_width)
+    train_step(short)  # the first step also allocates: a warm-up
     model.eval()
     caches = {b: _decode_cache(model, vocab, b, generator) for b in DECODE_BATCHES}
-    steps = {"train": lambda: train_step(ids), "forward": lambda: forward(ids),
+    steps = {"train_short": lambda: train_step(short), "train_part": lambda: train_step(part),
+             "forward_short": lambda: forward(short), "forward_part": lambda: forward(part),
              **{b: lambda b=b: _decode_step(model, caches, b, vocab, generator) for b in DECODE_BATCHES}}
     fastest = _rounds(steps, model)
-    train_s = fastest["train"] * scale
-    forward_s = min(fastest["forward"], fastest["train"]) * scale  # (no forward is slower than a step)
+    train = _line(fastest["train_short"], fastest["train_part"])
+    reading = _line(fastest["forward_short"], fastest["forward_part"])
+    reading = (min(reading[0], train[0]), min(reading[1], train[1]))  # no forward pass is slower than a step
     # more rows never take less time a step: a smaller batch measured slower was disturbed, and is bounded
     decode = {b: min(fastest[c] for c in DECODE_BATCHES if c >= b) for b in DECODE_BATCHES}
-    return Speed(student=cfg.student.model, machine=machine(), threads=threads, batch=batch, width=width,
-                 train_step_s=train_s, forward_step_s=forward_s, timed_rows=rows, timed_width=timed_width,
-                 decode_step_s=decode,
-                 load_s=load_s)
+    return Speed(student=cfg.student.model, machine=machine(), threads=threads, train_fixed_s=train[0],
+                 train_token_s=train[1], forward_fixed_s=reading[0], forward_token_s=reading[1],
+                 decode_step_s=decode, load_s=load_s)
+
+
+def _line(short_s: float, part_s: float) -> tuple[float, float]:
+    """(fixed seconds a step, seconds a token) through the SHORT step's time and the PART step's. Where they draw
+    no rising line with a fixed cost of 0 or more (disturbed, or all fixed cost), all is a cost a token at the
+    part's rate, the larger figure for the larger steps a stage takes."""
+    small, large = SHORT[0] * SHORT[1], PART[0] * PART[1]
+    if part_s <= short_s:
+        return 0.0, part_s / large
+    per_token = (part_s - short_s) / (large - small)
+    fixed = short_s - per_token * small
+    return (fixed, per_token) if fixed >= 0 else (0.0, part_s / large)
 
 
 def _rounds(steps: dict, model) -> dict:
@@ -195,7 +188,7 @@ def _rounds(steps: dict, model) -> dict:
     started, done = time.perf_counter(), -1
     while done < ROUNDS or (time.perf_counter() - started < ROUNDS_S and done < MAX_ROUNDS):
         for key, step in steps.items():
-            model.train(key == "train")
+            model.train(str(key).startswith("train"))
             took = step()
             if done >= 0:
                 fastest[key] = min(fastest[key], took)

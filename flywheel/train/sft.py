@@ -309,6 +309,7 @@ def _training_args(cfg: SFTConfig, checkpoints: Path, on_cpu: bool, heldout: boo
         save_strategy="steps", save_steps=max(1, min(100, steps // 5)), save_total_limit=2,
         report_to="none", disable_tqdm=True, include_num_input_tokens_seen="non_padding",
         dataloader_num_workers=0, ddp_find_unused_parameters=False,
+        train_sampling_strategy="group_by_length" if cfg.group_by_length else "random",
     )
 
 

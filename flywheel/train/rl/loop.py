@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from flywheel.agent import Harness
+from flywheel.checkpoints import same_weights
 from flywheel.config import RLConfig
 from flywheel.contract import Task
 from flywheel.metrics import RL_LAST_REWARD, RL_REWARD, RL_SKIPPED_SHARE, RL_UPDATES
@@ -343,16 +344,6 @@ def no_update_warning(summary: dict, model_dir: Path, out_dir: Path) -> str:
         share = summary.get(RL_SKIPPED_SHARE)
         groups = "" if share is None else f"; {share:.0%} of its groups had equal rewards, so no signal"
         return f"RL made 0 optimiser updates in {summary.get('steps', 0)} steps{groups}: the RL model is the SFT model"
-    if _same_weights(Path(model_dir), Path(out_dir)):
+    if same_weights(model_dir, out_dir):
         return "RL's output weights are byte-identical to its input (the SFT checkpoint): RL changed nothing"
     return ""
-
-
-def _same_weights(a: Path, b: Path) -> bool:
-    """Whether two checkpoint folders hold the same safetensors files, byte for byte."""
-    import filecmp
-
-    names = sorted(p.relative_to(a) for p in a.rglob("*.safetensors"))
-    if not names or names != sorted(p.relative_to(b) for p in b.rglob("*.safetensors")):
-        return False
-    return all(filecmp.cmp(a / n, b / n, shallow=False) for n in names)

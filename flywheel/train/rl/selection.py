@@ -26,14 +26,15 @@ VALIDATION_REWARD = "validation_reward"  # per check: its mean reward
 
 
 def validation_split(tasks: list[Task], cfg: RLConfig) -> tuple[list[Task], list[Task]]:
-    """(the validation sample, the tasks RL draws from): the first validate_tasks by task id, and the rest in
-    their order; with keep_best off, no sample and every task."""
+    """(the validation sample, the tasks RL draws from): the first validate_tasks by task id (at most half of
+    them), and the rest in their order; with keep_best off, no sample and every task."""
     if not cfg.keep_best:
         return [], tasks
-    if len(tasks) <= cfg.validate_tasks:
-        raise ValueError(f"rl.keep_best sets rl.validate_tasks ({cfg.validate_tasks}) train tasks aside for "
-                         f"validation, but there are only {len(tasks)}: lower validate_tasks or add train tasks")
-    held = {t.task_id for t in sorted(tasks, key=lambda t: t.task_id)[:cfg.validate_tasks]}
+    wanted = min(cfg.validate_tasks, len(tasks) // 2)  # at most half: RL keeps the rest to learn from
+    if wanted < 1:
+        raise ValueError(f"rl.keep_best sets train tasks aside for validation, but there are only {len(tasks)}: "
+                         "add train tasks or set rl.keep_best: false")
+    held = {t.task_id for t in sorted(tasks, key=lambda t: t.task_id)[:wanted]}
     return [t for t in tasks if t.task_id in held], [t for t in tasks if t.task_id not in held]
 
 
