@@ -24,6 +24,7 @@ from flywheel.contract import Task
 from flywheel.data.tasksets import own_tasks
 from flywheel.metrics import STAGE_ESTIMATE
 from flywheel.policies.oracle import OraclePolicy
+from flywheel.replaycheck import recorded_conversations
 from flywheel.train.context import EVAL_MAX_NEW_TOKENS
 from flywheel.train.probe import Speed, measure
 
@@ -93,7 +94,8 @@ def estimate(name: str, cfg: PipelineConfig, harness: Harness, root: Path, refre
     heldout = [t for t in tasks if t.split == "heldout"]
     synth_tasks = [t for t in train if t.slice not in cfg.synthesize.exclude_slices]
     # the conversations SFT will train on stand for every stage's (synthesize.exclude_slices left out)
-    convs = conversations(cfg, harness, synth_tasks or train, root) if train else None
+    recorded = recorded_conversations(root, name) if cfg.environment.name == "replay" else None
+    convs = conversations(cfg, harness, synth_tasks or train, root, recorded) if train else None
     seconds: dict[str, float | None] = {}
     inputs: dict[str, str] = {}
     notes: list[str] = []
@@ -129,39 +131,49 @@ def estimate(name: str, cfg: PipelineConfig, harness: Harness, root: Path, refre
     return Estimate(name, seconds, inputs, speed, convs, notes, (cfg.sft.batch_size, width))
 
 
-def conversations(cfg: PipelineConfig, harness: Harness, train: list[Task], root: Path) -> Conversations:
+def conversations(cfg: PipelineConfig, harness: Harness, train: list[Task], root: Path,
+                  recorded: dict[str, list[dict]] | None = None) -> Conversations:
     """The solver's conversations on a seeded sample of train tasks, in the student's tokens and template; without a
-    solver, the prompts with one turn of evaluate's max_new_tokens."""
+    solver, the recorded conversations those tasks were made of (`recorded`, by task id: replay's accepted
+    traces, which are its SFT targets), else the prompts with one turn of evaluate's max_new_tokens."""
     sample = random.Random(cfg.environment.seed).sample(train, min(SAMPLE_TASKS, len(train)))
-    episodes, solver_s = None, None
+    whole, passed, solver_s = None, [], None
     try:
         started = time.perf_counter()
         episodes = harness.run(OraclePolicy(harness.env), sample)
         solver_s = (time.perf_counter() - started) / len(sample)
+        whole, passed = [e.messages for e in episodes], [e.passed for e in episodes]
+        how = f"the solver's conversations on {len(sample)} train tasks"
     except NotImplementedError:
         pass
+    if whole is None and recorded:
+        sample = [t for t in sample if t.task_id in recorded] or sample
+        if all(t.task_id in recorded for t in sample):
+            whole, passed = [recorded[t.task_id] for t in sample], [True] * len(sample)
+            how = f"the recorded conversations of {len(sample)} train tasks"
     tools = harness.env.tools()
     prompts = [t.prompt for t in sample]
-    whole = [e.messages for e in episodes] if episodes else prompts
-    count = _Counter(cfg, root, prompts + whole, tools)
+    count = _Counter(cfg, root, prompts + (whole or []), tools)
     prompt_tokens = [count(p, prompt=True) for p in prompts]
-    if episodes:
+    if whole is not None:
         lengths = [count(m) for m in whole]
-        turns = [max(1, e.turns) for e in episodes]
+        said = [[m for m in messages[len(t.prompt):] if m.get("role") == "assistant"]
+                for t, messages in zip(sample, whole, strict=True)]
+        turns = [max(1, len(each)) for each in said]
         # what the assistant wrote: its turns' text and calls, a few tokens of the template around each
         written = [count.text(m.get("content") or "") + 5
                    + count.text(json.dumps([c.get("function") for c in m.get("tool_calls") or []]))
-                   for e in episodes for m in e.messages[len(e.task.prompt):] if m.get("role") == "assistant"]
+                   for each in said for m in each]
         per_turn = sum(written) / max(len(written), 1)
-        passed = sum(e.passed for e in episodes) / len(episodes)
-        how = f"the solver's conversations on {len(sample)} train tasks"
     else:
+        whole = prompts
         lengths = [p + EVAL_MAX_NEW_TOKENS for p in prompt_tokens]
-        turns, per_turn, passed = [1] * len(sample), float(EVAL_MAX_NEW_TOKENS), 1.0
+        turns, per_turn, passed = [1] * len(sample), float(EVAL_MAX_NEW_TOKENS), [True]
         how = f"{len(sample)} train prompts with one turn of {EVAL_MAX_NEW_TOKENS} tokens (no scripted solver)"
     how += f", counted {count.how}"
     return Conversations(len(sample), lengths, sum(prompt_tokens) / len(sample), sum(turns) / len(turns),
-                         per_turn, passed, solver_s, how, shared_opening([count.ids(m) for m in whole]))
+                         per_turn, sum(passed) / len(passed), solver_s, how,
+                         shared_opening([count.ids(m) for m in whole]))
 
 
 def shared_opening(conversations: list[list[int]]) -> int:

@@ -106,7 +106,8 @@ def collect(pipeline: str, root: str = ".", parent_run_id: str | None = None, fu
         metrics |= {f"missing_{k}": v for k, v in found.missing.items()}
         warnings = found.warnings + _short_splits(tables.tasks, cfg, env.name)
         if hasattr(env, "agreement"):  # replay: labels its rewarded conversations contradict; a sample replayed
-            tasks = [row_task(r) for r in tables.tasks.to_pylist()]
+            # the whole table: with nothing new read, `tables` holds only the columns the metrics need
+            tasks = [row_task(r) for r in catalog.read("tasks").to_dict("records")]
             contradicted, found_there = collect_findings(env, stage.harness, tasks,
                                                          recorded_conversations(root_path, pipeline) or {})
             metrics["replay_contradicted"] = contradicted

@@ -147,6 +147,12 @@ def test_every_accepted_trace_is_a_task_in_its_split(collected):
     inferred = {s["function"]["name"]: s for s in json.loads(scored["answer"])["tools"]}
     assert inferred["find_customer"]["function"]["parameters"] == {
         "type": "object", "properties": {"member_number": {"type": "string"}}, "required": ["member_number"]}
+    # collected again with no new trace: the tables as they were, the same findings (it read them whole)
+    from tasks.collect import collect
+
+    again = collect.fn(pipeline="bank", root=str(root))
+    assert again.metrics["tasks_from_traces"] == result.metrics["tasks_from_traces"]
+    assert again.metrics["replay_contradicted"] == result.metrics["replay_contradicted"]
 
 
 def test_a_prompt_another_task_set_has_is_left_out(collected):
