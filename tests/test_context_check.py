@@ -152,3 +152,21 @@ def test_the_sft_run_params_say_which_student_ran(tmp_path, mlflow_store):
     params = registry.client().get_run(run_id).data.params
     assert params["student.model"] == "tiny"
     assert params["student.chosen"] == TINY_AUTO
+
+
+def test_a_gguf_header_is_parsed_once_and_kept_by_the_files_name_size_and_time(tmp_path, monkeypatch):
+    """SmolLM2's context from its GGUF header: parsed the first time (seconds: every tensor's entry is read), kept
+    in the GGUF cache, read back after; a damaged record is parsed again."""
+    from flywheel.checkpoints import gguf_file
+    from flywheel.train.context import gguf_context_length
+
+    monkeypatch.setenv("FLYWHEEL_GGUF_CACHE", str(tmp_path / "gguf"))
+    file = gguf_file(SMOLLM2)
+    first = gguf_context_length(file)
+    assert first == ("llama.context_length", 8192)
+    kept = list((tmp_path / "gguf" / "context").glob("*.json"))
+    assert [k.name.startswith(file.name) for k in kept] == [True]
+    kept[0].write_text('["llama.context_length", 77]')  # what is kept is what is read back
+    assert gguf_context_length(file) == ("llama.context_length", 77)
+    kept[0].write_text("{damaged")
+    assert gguf_context_length(file) == first

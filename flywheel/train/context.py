@@ -15,6 +15,7 @@ trains it (same vocabulary size and options), on these prompts, gives the estima
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,7 +192,16 @@ def _local(model: str, root: Path) -> Path | None:
 
 
 def gguf_context_length(file: Path) -> tuple[str, int]:
-    """(`<arch>.context_length`, its value) from a GGUF file's header, without reading its weights."""
+    """(`<arch>.context_length`, its value) from a GGUF file's header, without reading its weights. Parsing the
+    header takes seconds (every tensor's entry is read), so the answer is kept in the GGUF cache, keyed by the
+    file's name, size and modification time: `flywheel check` and every run read it once a file."""
+    stat = file.stat()
+    kept = gguf_cache_dir() / "context" / f"{file.name}-{stat.st_size}-{stat.st_mtime_ns}.json"
+    try:
+        field, tokens = json.loads(kept.read_text())
+        return str(field), int(tokens)
+    except (OSError, ValueError, TypeError):
+        pass  # not kept yet (or damaged): parsed again
     from gguf import GGUFReader
 
     reader = GGUFReader(file)
@@ -199,7 +209,15 @@ def gguf_context_length(file: Path) -> tuple[str, int]:
     field = f"{arch}.context_length"
     if field not in reader.fields:
         raise CheckpointError(f"{file}: its GGUF header has no {field}")
-    return field, int(reader.fields[field].contents())
+    tokens = int(reader.fields[field].contents())
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps([field, tokens]))
+        partial.replace(kept)
+    except OSError:
+        pass  # a cache that cannot be written costs the next check its parse
+    return field, tokens
 
 
 def _tiny_estimate(texts: list[str], cfg: PipelineConfig) -> int:
