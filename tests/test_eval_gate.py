@@ -91,7 +91,7 @@ def test_a_run_that_learned_nothing_is_refused_and_says_so(project, prefect_serv
     # RL's output is SFT's checkpoint byte for byte: evaluate gives it SFT's episodes (their latencies too),
     # not the same greedy episodes generated twice
     sft_rows, rl_rows = (table[table["model"] == m].drop(columns="model").reset_index(drop=True) for m in ("sft", "rl"))
-    assert len(rl_rows) == 24 and rl_rows.equals(sft_rows)
+    assert len(rl_rows) == (table["model"] == "null").sum() and rl_rows.equals(sft_rows)
     traces = mlflow.search_traces(locations=[parent.info.experiment_id], run_id=evaluate_run, return_type="list")
     assert sorted((t.info.tags["flywheel.model"], t.info.tags["flywheel.task_id"]) for t in traces) == sorted(
         zip(table["model"], table["task_id"], strict=True))
