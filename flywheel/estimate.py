@@ -125,10 +125,10 @@ def estimate(name: str, cfg: PipelineConfig, harness: Harness, root: Path, refre
     notes.append(f"each stage {STAGE_OVERHEAD_S:.0f} s to start and finish; rl's actors and learner counted one "
                  "after the other (an actor that overlaps the learner makes it shorter); evaluate leaves out a "
                  "champion and references")
-    if cfg.synthesize.include_accepted_traces:
+    if cfg.synthesize.include_accepted_traces and teacher != "none":  # (no teacher: they are the examples)
         notes.append("SFT's examples leave out the accepted traces (their number is known after collect)")
     width = sft_width(cfg, convs, sft_split(cfg, examples)[2])
-    return Estimate(name, seconds, inputs, speed, convs, notes, (cfg.sft.batch_size, width))
+    return Estimate(name, seconds, inputs, speed, convs, notes, (cfg.sft.micro_batch_size(), width))
 
 
 def conversations(cfg: PipelineConfig, harness: Harness, train: list[Task], root: Path,
@@ -252,9 +252,11 @@ def sft_split(cfg: PipelineConfig, examples: int) -> tuple[int, int, int]:
 
 
 def sft_width(cfg: PipelineConfig, convs: Conversations, trained: int) -> float:
-    """SFT's padded batch width over the sampled conversations, as its batches are drawn."""
+    """SFT's padded width of a forward pass (a micro-batch: sft.micro_batch_tokens) over the sampled
+    conversations, as its batches are drawn."""
     sft = cfg.sft
-    return padded_length(convs.lengths, sft.batch_size, sft.max_length, trained if sft.group_by_length else 0)
+    return padded_length(convs.lengths, sft.micro_batch_size(), sft.max_length,
+                         trained if sft.group_by_length else 0)
 
 
 def generation_s(rows: int, turns: float, tokens_per_turn: float, read_tokens: float, batch: int,
@@ -278,16 +280,19 @@ def _sft(cfg: PipelineConfig, convs: Conversations, examples: int, speed: Speed)
     steps = cfg.sft.planned_steps(trained)
     width = sft_width(cfg, convs, trained)
     opening = min(convs.opening, width)
-    step = opening + sft.batch_size * (width - opening)
-    train = speed.train_time(steps * step, steps)
-    evals = (steps // sft.eval_every + 1) * speed.forward_time(held * width, math.ceil(held / sft.batch_size))
+    micro = sft.micro_batch_size()
+    passes = sft.batch_size // micro  # a step's micro-batches, each reading the shared opening once
+    step = passes * (opening + micro * (width - opening))
+    train = speed.train_time(steps * step, steps * passes)
+    evals = (steps // sft.eval_every + 1) * speed.forward_time(held * width, math.ceil(held / micro))
     points = len(validation_steps(sft, trained, steps)) if validating else 0
     checks = points * generation_s(validating, convs.turns, convs.tokens_per_turn, convs.read_tokens,
                                    GENERATION_BATCH, speed, convs.opening)
     return speed.load_s + train + evals + checks, (
-        f"{steps} steps (sft.planned_steps({trained})) x batch {sft.batch_size} x {width:.0f} padded tokens at "
-        f"{speed.train_step_s(step):.1f} s a step" + (f", {points} validation point(s) of {validating} tasks"
-                                                        if points else ""))
+        f"{steps} steps (sft.planned_steps({trained})) x batch {sft.batch_size} x {width:.0f} padded tokens"
+        + (f" (in {passes} passes of {micro}: sft.micro_batch_tokens)" if passes > 1 else "")
+        + f" at {speed.train_time(step, passes):.1f} s a step"
+        + (f", {points} validation point(s) of {validating} tasks" if points else ""))
 
 
 def _rl(cfg: PipelineConfig, convs: Conversations, speed: Speed, train: int) -> tuple[float, str]:

@@ -90,7 +90,7 @@ def test_the_estimate_adds_up_and_grows_with_what_a_stage_does(tmp_path):
     assert padded_length(convs.lengths, cfg.sft.batch_size, cfg.sft.max_length, grouped_from=examples) <= width
     opening = min(convs.opening, width)  # (read once a batch)
     assert est.seconds["sft"] >= speed.train_time(steps * (opening + cfg.sft.batch_size * (width - opening)), steps)
-    assert est.sft_shape == (cfg.sft.batch_size, width)
+    assert est.sft_shape == (cfg.sft.micro_batch_size(), width) and cfg.sft.micro_batch_size() == cfg.sft.batch_size
     params = est.params()
     assert params["estimate.total_s"] == pytest.approx(est.total, abs=0.1) and "estimate.sft_s" in params
     lines = render(est)

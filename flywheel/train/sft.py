@@ -295,8 +295,9 @@ def _training_args(cfg: SFTConfig, checkpoints: Path, on_cpu: bool, heldout: boo
     from trl import SFTConfig as TRLConfig
 
     return TRLConfig(
-        output_dir=str(checkpoints), max_steps=steps, per_device_train_batch_size=cfg.batch_size,
-        per_device_eval_batch_size=cfg.batch_size, learning_rate=cfg.lr, lr_scheduler_type="cosine",
+        output_dir=str(checkpoints), max_steps=steps, per_device_train_batch_size=cfg.micro_batch_size(),
+        gradient_accumulation_steps=cfg.batch_size // cfg.micro_batch_size(),
+        per_device_eval_batch_size=cfg.micro_batch_size(), learning_rate=cfg.lr, lr_scheduler_type="cosine",
         warmup_steps=cfg.warmup_steps, seed=cfg.seed, data_seed=cfg.seed, max_length=cfg.max_length,
         # labels are built by tokenize_records (assistant tokens only), so TRL neither re-tokenises nor re-masks
         assistant_only_loss=False, completion_only_loss=False, packing=False,
