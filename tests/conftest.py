@@ -27,8 +27,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("DO_NOT_TRACK", "1")
 # `flywheel check` and `run` time the student once per session, not once per test project (tests/test_estimate.py
-# unsets it to test the project's own cache)
-os.environ["FLYWHEEL_PROBE_DIR"] = str(_STATE / "probe")
+# unsets it to test the project's own cache), and once for all of pytest-xdist's workers: the probe's lock makes a
+# second worker wait for the first's record
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+os.environ["FLYWHEEL_PROBE_DIR"] = str(Path(tempfile.gettempdir()) / f"flywheel-tests-probe-{_RUN}" if _RUN
+                                      else _STATE / "probe")
 
 # A pipeline small enough for tests: the same stages and code as the demo, fewer tasks and steps. Its student
 # learns nothing in 60 steps (every model scores 0), so the gate's measurability checks, which would refuse it,
@@ -72,12 +75,16 @@ def _run(cmd: list[str], cwd: Path) -> None:
     subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True)
 
 
+# What copying the checkout's folders into a test project leaves out: bytecode, and what a run of an example
+# project under examples/ wrote there (its models and state: gigabytes once SmolLM2 has run; git ignores them)
+SOURCES_ONLY = shutil.ignore_patterns("__pycache__", "*.pyc", ".flywheel", "models", "mlruns")
+
+
 def make_project(root: Path, remote: Path) -> Path:
     """A project checkout at root in a new git repo with DVC (a local remote) and the small pipeline."""
     root.mkdir(parents=True)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for folder in ("flywheel", "tasks", "flows", "examples"):
-        shutil.copytree(REPO / folder, root / folder, ignore=ignore)
+        shutil.copytree(REPO / folder, root / folder, ignore=SOURCES_ONLY)
     shutil.copy(REPO / ".dvcignore", root / ".dvcignore")
     (root / "pipelines.yaml").write_text(SMALL_PIPELINE)
     from tasks.spec import dvc_yaml

@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from conftest import SOURCES_ONLY
 
 from flywheel.config import CollectConfig, ConfigError, load_pipeline
 from flywheel.contract import prompt_hash, split_of
@@ -170,7 +171,7 @@ def test_the_example_traces():
 
 
 def _project(tmp_path: Path, collect_section: str | None = None) -> None:
-    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    shutil.copytree(REPO / "examples", tmp_path / "examples", ignore=SOURCES_ONLY)
     config = (REPO / "tests/conftest.py").read_text().split('SMALL_PIPELINE = """')[1].split('"""')[0]
     if collect_section:
         config = "\n".join(f"    collect: {collect_section}" if line.strip().startswith("collect:") else line

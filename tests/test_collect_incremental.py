@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from conftest import SOURCES_ONLY
 
 from flywheel.config import CollectConfig
 from flywheel.data import sources, watermarks
@@ -91,7 +92,7 @@ def test_the_stage_reads_only_new_records_and_stays_reproducible(tmp_path, mlflo
 
     from tasks.collect import collect as stage
 
-    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    shutil.copytree(REPO / "examples", tmp_path / "examples", ignore=SOURCES_ONLY)
     config = (REPO / "tests/conftest.py").read_text().split('SMALL_PIPELINE = """')[1].split('"""')[0]
     (tmp_path / "pipelines.yaml").write_text(config)
     catalog = Catalog(tmp_path, "small")
@@ -155,7 +156,7 @@ def test_new_traces_are_appended_to_the_stored_table_as_a_full_merge_would_place
 def test_the_stage_appends_later_traces_and_their_tasks_as_a_full_collect_writes_them(tmp_path, mlflow_store):
     from tasks.collect import collect as stage
 
-    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    shutil.copytree(REPO / "examples", tmp_path / "examples", ignore=SOURCES_ONLY)
     config = (REPO / "tests/conftest.py").read_text().split('SMALL_PIPELINE = """')[1].split('"""')[0]
     (tmp_path / "pipelines.yaml").write_text(config)
     stage.fn(pipeline="small", root=str(tmp_path))
@@ -179,7 +180,7 @@ def test_worker_processes_write_the_tables_one_process_writes(tmp_path, mlflow_s
     from flywheel.data import collection
     from tasks.collect import collect as stage
 
-    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    shutil.copytree(REPO / "examples", tmp_path / "examples", ignore=SOURCES_ONLY)
     config = yaml.safe_load((REPO / "tests/conftest.py").read_text().split('SMALL_PIPELINE = """')[1]
                             .split('"""')[0])
     log = tmp_path / "examples/traces/support-agent-2026-11-02.jsonl"

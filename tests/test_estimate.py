@@ -70,6 +70,15 @@ def test_the_probe_times_the_student_once_and_keeps_it_per_student_and_threads(t
     kept[0].write_text("{not json")  # a damaged record is measured again
     assert not measure(cfg, root).cached
 
+    # two checks at once (threads here; processes alike: the lock is the file's): one probes, the other waits
+    # for its record and reads it
+    from concurrent.futures import ThreadPoolExecutor
+
+    kept[0].unlink()
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda _: measure(cfg, root), range(2)))
+    assert sorted(s.cached for s in both) == [False, True] and both[0].train_token_s == both[1].train_token_s
+
 
 def test_the_estimate_adds_up_and_grows_with_what_a_stage_does(tmp_path):
     root = project(tmp_path / "project")

@@ -12,6 +12,7 @@ the same student) reads it.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -105,19 +106,23 @@ def measure(cfg: PipelineConfig, root: Path, refresh: bool = False) -> Speed:
     threads = torch.get_num_threads()
     folder = Path(os.environ.get("FLYWHEEL_PROBE_DIR") or Path(root) / PROBE_DIR)
     path = folder / f"{probe_key(cfg, threads)}.json"
-    if path.is_file() and not refresh:
-        try:
-            data = json.loads(path.read_text())
-            data["decode_step_s"] = {int(k): v for k, v in data["decode_step_s"].items()}
-            return Speed(**(data | {"cached": True}))
-        except (ValueError, TypeError, KeyError):
-            pass  # a damaged or older record: measured again
-    speed = _timed(cfg, root, threads)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(speed), indent=1, sort_keys=True))
-    tmp.replace(path)
-    return speed
+    folder.mkdir(parents=True, exist_ok=True)
+    # One probe of a student at a time: a second check started meanwhile waits and reads its record (two probes
+    # at once would also slow each other, and both would be kept slow).
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file() and not refresh:
+            try:
+                data = json.loads(path.read_text())
+                data["decode_step_s"] = {int(k): v for k, v in data["decode_step_s"].items()}
+                return Speed(**(data | {"cached": True}))
+            except (ValueError, TypeError, KeyError):
+                pass  # a damaged or older record: measured again
+        speed = _timed(cfg, root, threads)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(speed), indent=1, sort_keys=True))
+        tmp.replace(path)
+        return speed
 
 
 def _timed(cfg: PipelineConfig, root: Path, threads: int) -> Speed:
