@@ -214,8 +214,7 @@ def test_batches_grouped_by_length_pad_less_than_random_ones(tiny_student, rows,
 def test_a_batch_past_micro_batch_tokens_is_read_in_micro_batches_with_the_same_step(tiny_student, rows, tmp_path):
     """sft.micro_batch_tokens: a batch of 8 conversations of up to 128 tokens with a budget of 256 tokens is read
     as four passes of two, their gradients added: the same losses and gradient norms step by step as one pass."""
-    budget = small(micro_batch_tokens=256)
-    assert budget.micro_batch_size() == 2 and small().micro_batch_size() == 8
+    assert small(micro_batch_tokens=256).micro_batch_size() == 2 and small().micro_batch_size() == 8
     assert small(batch_size=6, micro_batch_tokens=4 * 128).micro_batch_size() == 3  # a divisor of the batch
     assert small(max_length=512, micro_batch_tokens=100).micro_batch_size() == 1
 
@@ -224,8 +223,8 @@ def test_a_batch_past_micro_batch_tokens_is_read_in_micro_batches_with_the_same_
         train_sft(tiny_student, rows, tmp_path / name, cfg, on_log=lambda step, m: out.append(m))
         return out
 
-    whole, parts = logged(small(steps=3, eval_fraction=0.0), "whole"), logged(
-        SFTConfig(**{**small(steps=3, eval_fraction=0.0).model_dump(), "micro_batch_tokens": 256}), "parts")
+    whole = logged(small(steps=3, eval_fraction=0.0), "whole")
+    parts = logged(small(steps=3, eval_fraction=0.0, micro_batch_tokens=256), "parts")
     assert len(whole) == len(parts) == 3
     for a, b in zip(whole, parts, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
