@@ -218,6 +218,9 @@ def test_a_batch_past_micro_batch_tokens_is_read_in_micro_batches_with_the_same_
     assert small(batch_size=6, micro_batch_tokens=4 * 128).micro_batch_size() == 3  # a divisor of the batch
     assert small(max_length=512, micro_batch_tokens=100).micro_batch_size() == 1
 
+    trainer, _, _ = build_sft_trainer(tiny_student, rows, tmp_path / "args", small(micro_batch_tokens=256))
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (2, 4)
+
     def logged(cfg: SFTConfig, name: str) -> list[dict]:
         out = []
         train_sft(tiny_student, rows, tmp_path / name, cfg, on_log=lambda step, m: out.append(m))
