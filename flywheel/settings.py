@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 from pathlib import Path
 
 # MLflow's INFO lines a fresh project root prints once, naming no choice of the user's ("Creating initial MLflow
@@ -43,8 +44,29 @@ def configure(root: Path) -> None:
         defaults["MLFLOW_S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    write_ahead(os.environ["MLFLOW_TRACKING_URI"])
     for name in _QUIET_LOGGERS:  # a level on the child logger: MLflow's import sets only its parent's
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def write_ahead(tracking_uri: str) -> None:
+    """Keep an SQLite tracking store in write-ahead-log mode (the file keeps the mode once set).
+
+    In SQLite's default mode a read that never finished holds its lock until its statement is freed: a stage
+    stopped by Ctrl-C in the middle of an MLflow read keeps that statement alive in the traceback, and the write
+    that then marks its run KILLED waits MLflow's 20 s and fails with "database is locked". With the log, readers
+    never block a writer."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return
+    path = Path(tracking_uri.removeprefix("sqlite:///").split("?")[0])
+    if not path.parent.is_dir():  # MLflow makes the folder and the file on first use; the next command sets it
+        return
+    try:
+        with sqlite3.connect(path, timeout=30) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+        db.close()
+    except sqlite3.Error as err:  # the store works without it; a stopped run's marking may then wait
+        logging.getLogger(__name__).warning("could not set %s to write-ahead-log mode: %s", path, err)
 
 
 # Object storage is configured the boto3 way, once, for DVC's S3 remote, MLflow's artifacts and Prefect's results:

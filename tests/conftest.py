@@ -65,8 +65,11 @@ def prefect_server():
 
 @pytest.fixture
 def mlflow_store(tmp_path, monkeypatch) -> str:
-    """A fresh MLflow tracking store on SQLite for one test."""
+    """A fresh MLflow tracking store on SQLite for one test, in the mode a project's store has."""
+    from flywheel.settings import write_ahead
+
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    write_ahead(uri)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return uri
 
