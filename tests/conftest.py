@@ -14,6 +14,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# pytest-xdist runs a worker a core (`make test`: -n auto): torch's threads, one a core in every worker and in what
+# a test starts, would then share each core between threads that wait on each other (a tenth of the suite's time
+# lost on 2 cores). One thread each; a test of the thread choice itself sets its own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Before anything imports Prefect or MLflow: keep their state out of the user's home and out of the repo.
 _STATE = Path(tempfile.mkdtemp(prefix="flywheel-tests-"))
 os.environ["PREFECT_HOME"] = str(_STATE / "prefect")

@@ -15,6 +15,8 @@ from flywheel.errors import UserFacingError
 from flywheel.tags import dvc_tag
 
 LOCK_FILE = "dvc.lock"  # in the project root: every stage's deps, params and outs with their md5, as DVC keeps them
+# libyaml's safe loader where PyYAML has it: a run reads dvc.lock tens of times, 7x faster than the pure-Python one
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 # DVC holds one lock per repo and a second process fails after ~3 s: serialise our own calls, retry theirs.
 _LOCK = threading.Lock()
 
@@ -108,7 +110,7 @@ def parse_lock(text: str, source: str,
                fix: str = "restore it from git (`git checkout -- dvc.lock`) or run `dvc commit` again") -> dict:
     """The stages of a dvc.lock's text; a DvcError naming `source` (where the text came from) and `fix` if broken."""
     try:
-        lock = yaml.safe_load(text) or {}
+        lock = yaml.load(text, Loader=SAFE_LOADER) or {}
     except yaml.YAMLError as err:
         raise DvcError(f"{source}: not valid YAML, so not a dvc.lock DVC wrote ({err}); {fix}") from None
     stages = lock.get("stages") or {} if isinstance(lock, dict) else None

@@ -25,17 +25,18 @@ from flywheel.config import PipelineConfig
 
 PROBE_DIR = ".flywheel/probe"  # under the project root; FLYWHEEL_PROBE_DIR names another folder (a test session's)
 # Decode steps are timed at these batch sizes (64: the hf policy's batch), between them on a straight line, each
-# after DECODE_CONTEXT tokens read once.
+# after DECODE_CONTEXT tokens read once (a longer context costs a small student's step little: SmolLM2's attention
+# over 600 tokens is a tenth of its step; reading 64 rows of 32 tokens was a fifth of its probe).
 DECODE_BATCHES = (1, 8, 64)
-DECODE_CONTEXT = 32
+DECODE_CONTEXT = 8
 # Training and forward steps are timed on SHORT (rows, tokens) and PART: a step of any shape is on the line through
 # them. Both ends matter: a pretrained student with LoRA pays a large fixed cost a step (SmolLM2's 30 layers: a
 # third of a second, whatever the length; scaling one short row by its tokens alone put a 12 s step at 40 s), a
 # tiny one almost nothing but that.
 SHORT, PART = (1, 64), (2, 256)
-PROBE_FORM = 2  # the probe's method: a record an older one kept is measured again
-# Rounds of every measurement in turn (_rounds): a warm-up, then at least ROUNDS, more while within ROUNDS_S, at
-# most MAX_ROUNDS; the fastest of each counts, the least disturbed by whatever else runs here.
+PROBE_FORM = 3  # the probe's method: a record an older one kept is measured again
+# Rounds of every measurement in turn (_rounds): at least ROUNDS, more while within ROUNDS_S, at most MAX_ROUNDS;
+# the fastest of each counts, the least disturbed by whatever else runs here (or by a first call's allocations).
 ROUNDS, ROUNDS_S, MAX_ROUNDS = 3, 2.0, 12
 
 
@@ -188,15 +189,15 @@ def _line(short_s: float, part_s: float) -> tuple[float, float]:
 def _rounds(steps: dict, model) -> dict:
     """The fastest time of each step (which times itself) over rounds that take each in turn: something else
     running on the machine for a second slows one round of every step, not every repeat of one step. At least
-    ROUNDS rounds, more while they add up to under ROUNDS_S, at most MAX_ROUNDS; the first round is a warm-up."""
+    ROUNDS rounds, more while they add up to under ROUNDS_S, at most MAX_ROUNDS. The first round counts too: a first
+    call's allocations make it slower, never faster, and the fastest is kept (a warm-up round of its own was a
+    quarter of a pretrained student's probe)."""
     fastest = dict.fromkeys(steps, float("inf"))
-    started, done = time.perf_counter(), -1
+    started, done = time.perf_counter(), 0
     while done < ROUNDS or (time.perf_counter() - started < ROUNDS_S and done < MAX_ROUNDS):
         for key, step in steps.items():
             model.train(str(key).startswith("train"))
-            took = step()
-            if done >= 0:
-                fastest[key] = min(fastest[key], took)
+            fastest[key] = min(fastest[key], step())
         done += 1
     model.eval()
     return fastest
