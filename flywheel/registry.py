@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
 import subprocess
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -139,6 +141,11 @@ def stage_run(root: Path, pipeline: str, stage: str, parent: str | None, params:
     try:
         yield run
     except BaseException as err:
+        if not isinstance(err, Exception):  # a signal: it may have landed inside an MLflow call, whose database
+            # connection (a statement half read, a write begun) the traceback keeps alive, and SQLite keeps its lock
+            # until it is freed: the KILLED mark below would wait 20 s and fail "database is locked"
+            traceback.clear_frames(err.__traceback__)
+            gc.collect()
         run.end(ok=False, stopped=not isinstance(err, Exception))
         raise
     run.end(ok=True)
