@@ -19,7 +19,8 @@ client, in one run side by side:
 - CLIENTS clients at once with batching off (max_batch 1: one request per generate, as before batching):
   `unbatched_requests_per_s`, and `batching_gain` = batched / unbatched under the same load.
 `generate_calls` and `mean_batch_rows`: how the batched phase's requests were grouped. The last line is one JSON
-object. `--quick`: 8 requests on a smaller tiny model, in seconds (what the tests run).
+object. `--quick`: 8 requests of 8 tokens after one warm-up request, on a smaller tiny model (or SmolLM2 with
+--smol), in seconds (what the tests run).
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 requests on a smaller model, in seconds")
     args = parser.parse_args()
     requests = 8 if args.quick else args.requests or (16 if args.smol else 64)
+    if args.quick:  # answers of 8 tokens after one warm-up request: SmolLM2's quick form in ~25 s, not ~100
+        args.max_tokens, warm_up = 8, 1
+    else:
+        warm_up = WARM_UP
 
     state = Path(tempfile.mkdtemp(prefix="flywheel-bench-serve-"))
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{state / 'mlflow.db'}"
@@ -132,7 +137,7 @@ def main() -> None:
                 latencies = list(clients.map(timed, prompts))
                 return time.perf_counter() - started, latencies
 
-        for prompt in prompts[:WARM_UP]:  # first calls pay one-time costs (allocations, template compiling)
+        for prompt in prompts[:warm_up]:  # first calls pay one-time costs (allocations, template compiling)
             timed(prompt)
         started = time.perf_counter()
         latencies = [timed(prompt) for prompt in prompts]
@@ -146,13 +151,13 @@ def main() -> None:
         batcher.max_batch = 1  # one request per generate: the server as it was before batching
         unbatched_s, _ = at_once()
         batcher.max_batch = batch_size
-        recorded = server.traffic.recorded - min(WARM_UP, len(prompts))
+        recorded = server.traffic.recorded - min(warm_up, len(prompts))
 
     policy = HFPolicy(student, device="cpu")
     sampling = Sampling(temperature=0.0, max_new_tokens=args.max_tokens)
 
     def bare_loop() -> tuple[float, list[float]]:
-        for prompt in prompts[:WARM_UP]:  # the same warm-up as the server's
+        for prompt in prompts[:warm_up]:  # the same warm-up as the server's
             policy.generate([prompt], tools, sampling)
         started, bare = time.perf_counter(), []
         for prompt in prompts:

@@ -24,8 +24,9 @@ them (its compact tool template) and with its `sft` section (LoRA, its precision
   harness / bare generated tokens per second.
 
 Each side keeps its best of --repeats runs, alternating which goes first. The last line is one JSON object.
-`--quick`: 1 step of batch 2, 2 tasks of 2 turns of 16 tokens, one run each side, the GGUF from the user's cache
-(what the tests run: it checks that the benchmark works, its figures mean little).
+`--quick`: 1 step of one conversation cut at 384 tokens, 2 tasks of 2 turns of 16 tokens, one run each side, the
+GGUF from the user's cache, loaded twice in one process (what the tests run: it checks that the benchmark works,
+its figures mean little).
 """
 
 from __future__ import annotations
@@ -64,25 +65,27 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from flywheel.checkpoints import load_student
 imported = time.perf_counter()
-model, _ = load_student(sys.argv[1])
-total = sum(float(p.float().sum()) for p in model.parameters())  # every weight read, not only mapped
-print(time.perf_counter() - imported, imported - started)
+for _ in range(int(sys.argv[2])):
+    loading = time.perf_counter()
+    model, _ = load_student(sys.argv[1])
+    total = sum(float(p.float().sum()) for p in model.parameters())  # every weight read, not only mapped
+    print(time.perf_counter() - loading, imported - started)
 """
 
 
-def timed_load(student: str, cache: Path) -> tuple[float, float]:
+def timed_load(student: str, cache: Path, one_process: bool = False) -> tuple[float, float]:
     """Seconds to load the GGUF, each time in a fresh process (every weight read; importing torch and transformers
-    not counted), into an empty de-quantisation cache and then again from it."""
+    not counted), into an empty de-quantisation cache and then again from it; `one_process`: both loads in one."""
     import subprocess
 
     from flywheel.checkpoints import GGUF_CACHE_ENV
 
     env = os.environ | {GGUF_CACHE_ENV: str(cache)}
     seconds = []
-    for _ in range(2):
-        ran = subprocess.run([sys.executable, "-c", LOAD, student], env=env, cwd=ROOT, capture_output=True,
-                             text=True, check=True)
-        seconds.append(float(ran.stdout.split()[-2]))
+    for _ in range(1 if one_process else 2):
+        ran = subprocess.run([sys.executable, "-c", LOAD, student, "2" if one_process else "1"], env=env, cwd=ROOT,
+                             capture_output=True, text=True, check=True)
+        seconds += [float(line.split()[0]) for line in ran.stdout.splitlines()]
     os.environ[GGUF_CACHE_ENV] = str(cache)  # the rest of the benchmark loads from the filled cache
     return seconds[0], seconds[1]
 
@@ -220,8 +223,10 @@ def main() -> None:
 
     torch.set_num_threads(2)
     cfg = load_pipeline(PIPELINE, ROOT / "pipelines.yaml")
-    sft = cfg.sft.model_copy(update={"steps": 1 if args.quick else args.steps, "eval_fraction": 0.0,
-                                     "batch_size": 2 if args.quick else cfg.sft.batch_size, "warmup_steps": 0})
+    sft = cfg.sft.model_copy(update={"steps": args.steps, "eval_fraction": 0.0, "warmup_steps": 0})
+    if args.quick:  # one row of the conversation's first 384 tokens (the prompt and a first answer) a step
+        sft = sft.model_copy(update={"steps": 1, "batch_size": 1, "max_length": 384,
+                                     "long_conversations": "truncate"})
     tasks, repeats = (2, 1) if args.quick else (args.tasks, args.repeats)
     template = ROOT / cfg.student.chat_template
     student = cfg.student.model
@@ -229,7 +234,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-smol-") as tmp:
         # --quick loads from the user's cache (filled once): a fresh de-quantisation is the full form's figure
         cache = gguf_cache_dir() if args.quick else Path(tmp) / "gguf-cache"
-        load_first, load_cached = timed_load(student, cache)
+        load_first, load_cached = timed_load(student, cache, one_process=args.quick)
         print(f"load: {load_first:.1f}s into an empty cache, {load_cached:.1f}s from it", flush=True)
         batches, padding, opening = bare_batches(student, rows, sft, template)
         best = {"stage": 0.0, "bare": 0.0}

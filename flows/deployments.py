@@ -32,6 +32,7 @@ import httpx
 from flows.names import ENTRYPOINTS, FLOWS, RETRAIN_FLOW, SENSOR_FLOW, STAGE_FLOW, deployment_name
 from flywheel.config import PipelineConfig
 from flywheel.errors import UserFacingError
+from flywheel.settings import embedded_prefect_database, seed_prefect_database
 from flywheel.stages import ORDER
 
 TAG = "flywheel"
@@ -232,6 +233,7 @@ def local_server(home: Path, port: int | None = None, timeout_s: float = 180):
            "PREFECT_UI_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     home.mkdir(parents=True, exist_ok=True)
+    seed_prefect_database(embedded_prefect_database(env))  # its template is kept by `flywheel run`'s first start
     log = (home / "server.log").open("ab")
     server = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host",
                                "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,

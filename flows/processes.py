@@ -81,8 +81,12 @@ def start_prefect_server(record: Callable[..., None]):
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
+    from flywheel.settings import embedded_prefect_database, keep_prefect_template, seed_prefect_database
+
     if PREFECT_API_URL.value():
         return None
+    database = embedded_prefect_database()
+    migrates = seed_prefect_database(database)
     server = SubprocessASGIServer()  # one per process (per port): get_client finds this one running
     launch = server._run_uvicorn_command  # Prefect 3.9: how start() makes the process, and remakes it on a clash
 
@@ -108,6 +112,8 @@ def start_prefect_server(record: Callable[..., None]):
             f"machine starts it slowly): set {TIMEOUT_VARIABLE} higher (e.g. export {TIMEOUT_VARIABLE}=600), or "
             "run a Prefect server and point PREFECT_API_URL at it (`flywheel stack up`, then "
             "`eval \"$(flywheel stack env)\"`)") from None
+    if migrates:
+        keep_prefect_template(database)
     return server
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sqlite3
+from collections.abc import Mapping
+from importlib.metadata import version
 from pathlib import Path
 
 # MLflow's INFO lines a fresh project root prints once, naming no choice of the user's ("Creating initial MLflow
@@ -45,6 +48,7 @@ def configure(root: Path) -> None:
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     write_ahead(os.environ["MLFLOW_TRACKING_URI"])
+    seed_prefect_database(embedded_prefect_database())
     for name in _QUIET_LOGGERS:  # a level on the child logger: MLflow's import sets only its parent's
         logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -67,6 +71,69 @@ def write_ahead(tracking_uri: str) -> None:
         db.close()
     except sqlite3.Error as err:  # the store works without it; a stopped run's marking may then wait
         logging.getLogger(__name__).warning("could not set %s to write-ahead-log mode: %s", path, err)
+
+
+# A new project's Prefect database: Prefect's server migrates an empty SQLite file on its first start, about 5 s of
+# CPU before it answers (a start on a migrated one: 3 s). The first such start keeps its migrated database, still
+# empty of runs, as a template for this Prefect version; a new project's database is copied from it.
+PREFECT_TEMPLATE_ENV = "FLYWHEEL_PREFECT_TEMPLATE"  # the folder; else ~/.cache/flywheel/prefect-db/<version>
+_PREFECT_DATABASE_VARIABLES = ("PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL")
+_PREFECT_MEMO = "memo_store.toml"  # what Prefect's server registered at its first start (its block types)
+
+
+def prefect_template_dir() -> Path:
+    found = os.environ.get(PREFECT_TEMPLATE_ENV)
+    return Path(found) if found else Path.home() / ".cache" / "flywheel" / "prefect-db" / version("prefect")
+
+
+def embedded_prefect_database(env: Mapping[str, str] = os.environ) -> Path | None:
+    """The SQLite file a Prefect server started with `env` would use: PREFECT_HOME's prefect.db, or None when a
+    server is named (PREFECT_API_URL) or the database is set elsewhere."""
+    if env.get("PREFECT_API_URL") or any(env.get(v) for v in _PREFECT_DATABASE_VARIABLES):
+        return None
+    return Path(env["PREFECT_HOME"]) / "prefect.db" if env.get("PREFECT_HOME") else None
+
+
+def seed_prefect_database(database: Path | None) -> bool:
+    """A missing `database` copied from the template, if one is kept. True when the file is still missing: the
+    server's start migrates a new one, and keep_prefect_template(database) then keeps it."""
+    if database is None or database.exists():
+        return False
+    template = prefect_template_dir()
+    if not (template / database.name).is_file():
+        return True
+    database.parent.mkdir(parents=True, exist_ok=True)
+    if (template / _PREFECT_MEMO).is_file() and not (database.parent / _PREFECT_MEMO).exists():
+        _copy_whole(template / _PREFECT_MEMO, database.parent / _PREFECT_MEMO)
+    _copy_whole(template / database.name, database)
+    return False
+
+
+def keep_prefect_template(database: Path | None) -> None:
+    """Keep `database`, just migrated by a server's first start (no run in it yet), as the template, if none is
+    kept: a consistent copy (SQLite's backup, the server still running) put in place whole."""
+    template = prefect_template_dir()
+    if database is None or not database.is_file() or (template / database.name).is_file():
+        return
+    try:
+        template.mkdir(parents=True, exist_ok=True)
+        partial = template / f".{database.name}.{os.getpid()}"
+        with sqlite3.connect(database, timeout=30) as source, sqlite3.connect(partial) as copy:
+            source.backup(copy)
+        source.close()
+        copy.close()
+        if (database.parent / _PREFECT_MEMO).is_file():
+            _copy_whole(database.parent / _PREFECT_MEMO, template / _PREFECT_MEMO)
+        os.replace(partial, template / database.name)  # last: a template is whole once its database is there
+    except (OSError, sqlite3.Error) as err:  # only the next project's first start is slower
+        logging.getLogger(__name__).warning("could not keep a Prefect database template in %s: %s", template, err)
+
+
+def _copy_whole(source: Path, target: Path) -> None:
+    """source copied to target under another name first, then renamed: a reader never sees part of it."""
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    shutil.copyfile(source, partial)
+    os.replace(partial, target)
 
 
 # Object storage is configured the boto3 way, once, for DVC's S3 remote, MLflow's artifacts and Prefect's results:

@@ -38,6 +38,10 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
 os.environ["FLYWHEEL_PROBE_DIR"] = str(Path(tempfile.gettempdir()) / f"flywheel-tests-probe-{_RUN}" if _RUN
                                       else _STATE / "probe")
+# and the migrated Prefect database a new project's server starts from (flywheel/settings.py): made by the session's
+# first `flywheel run`, not kept in the user's ~/.cache
+os.environ["FLYWHEEL_PREFECT_TEMPLATE"] = str(Path(tempfile.gettempdir()) / f"flywheel-tests-prefect-{_RUN}" if _RUN
+                                              else _STATE / "prefect-template")
 
 # A pipeline small enough for tests: the same stages and code as the demo, fewer tasks and steps. Its student
 # learns nothing in 60 steps (every model scores 0), so the gate's measurability checks, which would refuse it,

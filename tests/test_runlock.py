@@ -6,6 +6,7 @@ Real components: fcntl locks between processes, Prefect's test server, MLflow on
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from mlflow import MlflowClient
 
 from flows.processes import RUN_MARK
 from flows.runlock import PipelineBusy, lock_path, pipeline_lock, reap
+from flywheel.settings import prefect_template_dir
 
 BIN = Path(sys.executable).parent
 HOLD = textwrap.dedent("""
@@ -383,7 +385,11 @@ def test_a_killed_or_stopped_waiter_leaves_nothing(project, mlflow_store):
                 assert [(f.holder["pid"], f.settled) for f in dead] == [(waiter.pid, True)]
                 assert "it had started nothing" in dead[0].line()
         assert sorted(p.name for p in (project / ".flywheel/locks").iterdir()) == ["small.lock"]
-        assert not (project / ".flywheel/prefect/prefect.db").exists(), "a waiter starts no Prefect server"
+        # a waiter starts no Prefect server: the project's database, if any, is the template's copy, never opened
+        database = project / ".flywheel/prefect/prefect.db"
+        assert not database.exists() or (
+            filecmp.cmp(database, prefect_template_dir() / "prefect.db", shallow=False)
+            and not list(database.parent.glob("prefect.db-*"))), "a waiter starts no Prefect server"
     finally:
         holder.kill()
         holder.wait()
