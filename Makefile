@@ -46,12 +46,13 @@ demo: $(STAMP)
 smol: $(SMOL_STAMP)
 	$(BIN)/flywheel run smol
 
-# on every core (pytest-xdist): most tests wait on subprocesses and servers as much as they compute
+# on every core and one more (pytest-xdist; tests/conftest.py): many tests wait on subprocesses and servers as much
+# as they compute. Tests are handed out one at a time, the slow ones first, so no long one runs alone at the end.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --durations=25
+	$(BIN)/python -m pytest -q -n auto --maxschedchunk 1 --durations=25
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto -m "not slow"
+	$(BIN)/python -m pytest -q -n auto --maxschedchunk 1 -m "not slow"
 
 # Every benchmark in full (tens of minutes; smol.py needs the smol extra, hence that setup); each prints its figures
 # as one JSON line last. rl_gain runs the rl-lift loop for three seeds, opd the same with on-policy distillation. benchmarks/gpu_check.py needs a GPU.

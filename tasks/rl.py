@@ -55,9 +55,12 @@ def rl(pipeline: str, root: str = ".", parent_run_id: str | None = None) -> Stag
             teacher = objective_of(cfg.rl).load_teacher(stage.root)
             actors = actors_for(cfg.rl)  # rl.actors `auto` decided for this machine: a param of its own
             run.params({"rl": {"actors_resolved": actors}})
+            limits = harness.limits
+            ends = [f"{limits.max_error_turns} malformed turn(s) in a row" if limits.max_error_turns is not None
+                    else None, f"{limits.max_tokens} generated tokens" if limits.max_tokens is not None else None]
             print(f"      rl: {actors} actor process(es) (rl.actors: {cfg.rl.actors}), learner threads "
-                  f"{cfg.rl.learner_threads}; episodes end after {harness.limits.max_error_turns} malformed "
-                  f"turn(s) in a row, {harness.limits.max_tokens} generated tokens", flush=True)
+                  f"{cfg.rl.learner_threads}; episodes end after {limits.max_turns} turns"
+                  + "".join(f" or {end}" for end in ends if end), flush=True)
             rows, summary = train_rl(catalog.model_dir("sft"), harness, tasks,
                                      cfg.rl.model_copy(update={"actors": actors}), out_dir,
                                      device=cfg.student.device,

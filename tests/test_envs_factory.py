@@ -179,3 +179,21 @@ def test_a_task_file_the_factory_reads_outside_its_folder_is_one_of_its_files(tm
     before = input_key("collect", "small", root)
     (root / "data_in" / "tasks.jsonl").write_text('{"prompt": "say bye", "answer": "bye"}\n')
     assert input_key("collect", "small", root) != before
+
+
+def test_one_process_building_two_projects_environments_gets_each_projects_own_module(tmp_path):
+    """A factory's package imported from one project's root is not the one a second project's root holds: the
+    second build (and its dvc.yaml deps) come from the second root, whatever the first left in sys.modules."""
+    from flywheel.config import EnvironmentConfig
+    from flywheel.envs import environment_sources
+
+    factory = "envs.echo:make_env"
+    built = {}
+    for name, greeting in (("first", "hello"), ("second", "bonjour")):
+        root = _project(tmp_path / name, f'{{factory: "{factory}"}}')
+        module = root / "envs" / "echo" / "__init__.py"
+        module.write_text(module.read_text().replace('greeting: str = "hi"', f'greeting: str = "{greeting}"'))
+        built[name] = get_environment(factory=factory, root=root)
+        assert environment_sources(EnvironmentConfig(factory=factory), root) == [module.parent.resolve()]
+    [first], [second] = (list(env.generate_tasks(0)) for env in built.values())
+    assert (first.prompt[0]["content"], second.prompt[0]["content"]) == ("hello", "bonjour")

@@ -128,6 +128,7 @@ def _remove(folder: Path, deadline_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_project_outside_this_repository_gets_deps_that_exist_in_real_dvc(tmp_path):
     """A user's own root (the newcomer's rooms project, in a new git repo with DVC): `flywheel dvc-yaml` writes
     dvc.yaml, whose deps are all the project's own paths, and flywheel-code.yaml, each stage's code hash as a

@@ -44,10 +44,32 @@ def entry_point_environments() -> dict[str, str]:
     return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def _importable(root: Path | None) -> None:
-    # the project root first on sys.path, and left there: RL actor processes inherit sys.path and rebuild from it
-    if root is not None and str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+# The project's own packages (a test project holds copies): never forgotten by _importable
+_OWN_PACKAGES = ("flywheel", "tasks", "flows")
+
+
+def _importable(root: Path | None, module_name: str = "") -> None:
+    """The project root first on sys.path, and left there: RL actor processes inherit sys.path and rebuild from
+    it. A factory's package that this process imported from elsewhere (another project's root, a process that
+    builds two projects' environments) is forgotten when the root holds its own, so `module_name` is this root's."""
+    if root is None:
+        return
+    if str(root) in sys.path:
+        sys.path.remove(str(root))
+    sys.path.insert(0, str(root))
+    top = module_name.partition(".")[0]
+    if not top or top in _OWN_PACKAGES or not ((root / top).is_dir() or (root / f"{top}.py").is_file()):
+        return
+    loaded = [n for n in sys.modules if n == top or n.startswith(f"{top}.")]
+    if not all(_located_in(sys.modules[n], root) for n in loaded):
+        for name in loaded:
+            del sys.modules[name]
+
+
+def _located_in(module, root: Path) -> bool:
+    """The module's file (a namespace package: its first folder) is under root."""
+    where = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", None) or []), None)
+    return where is None or Path(where).resolve().is_relative_to(root)
 
 
 def _target(name: str | None, factory: str | None) -> tuple[str, str]:
@@ -72,7 +94,7 @@ def get_environment(name: str | None = None, *, factory: str | None = None, args
     module_name, _, attribute = target.partition(":")
     where = f"{key} '{factory or name}'"
     root = Path(root).resolve() if root is not None else None
-    _importable(root)
+    _importable(root, module_name if factory else "")
     try:
         module = importlib.import_module(module_name)
     except Exception as err:
@@ -132,7 +154,7 @@ def environment_sources(cfg, root: str | Path) -> list[Path]:
     key, target = _target(cfg.name, cfg.factory)
     module_name = target.partition(":")[0]
     root = Path(root).resolve()
-    _importable(root)
+    _importable(root, module_name if cfg.factory else "")
     try:
         spec = importlib.util.find_spec(module_name)
     except Exception as err:
