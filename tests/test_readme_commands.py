@@ -213,7 +213,7 @@ def classify(command: str) -> str | None:
 COMMANDS = readme_commands()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once a worker: this module's tests are handed out one by one
 def installed_env(tmp_path_factory) -> dict[str, str]:
     """The environment of a user's shell: the packages pyproject.toml installs importable, nothing else added."""
     site = tmp_path_factory.mktemp("site")
