@@ -71,11 +71,48 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return int(os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or (os.cpu_count() or 1) + 1)
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist load` (`make test`'s), except that a module whose tests share a module-scoped fixture goes to one
+    worker whole: handed out one test at a time, its fixture was built again on every worker that got one of them
+    (test_commands.py's full run three times: 80 CPU-seconds more on 2 cores)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScheduling
+
+    shared = {str(path.relative_to(config.rootpath)) for path in Path(__file__).parent.glob("test_*.py")
+              if 'scope="module"' in path.read_text()}
+
+    class WholeModules(LoadScheduling):
+        def _send_tests(self, node, num: int) -> None:
+            sent = self.pending[:num]
+            modules = {self.collection[i].split("::")[0] for i in sent} & shared
+            sent += [i for i in self.pending[num:] if self.collection[i].split("::")[0] in modules]
+            if sent:
+                self.pending[:] = [i for i in self.pending if i not in set(sent)]
+                self.node2pending[node].extend(sent)
+                node.send_runtest_some(sent)
+
+    return WholeModules(config, log)
+
+
 def pytest_collection_modifyitems(items):
     """The slow tests first, in their files' order: on `make test`'s workers (tests handed out one at a time:
     --maxschedchunk 1) the minutes-long ones start early and the quick ones fill the end, instead of one long test
     running alone last."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """Torch's thread count as the worker had it after every test: one test that set it (test_smol.py set 2) left
+    the rest of its worker's tests with twice the threads on shared cores, and an in-process `flywheel check` after
+    it timed SmolLM2 again for a thread count no one else uses (three minutes of a 20-minute suite)."""
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch else int(os.environ.get("OMP_NUM_THREADS") or 0)
+    yield
+    torch = sys.modules.get("torch")
+    if torch and threads and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

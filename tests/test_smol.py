@@ -87,7 +87,6 @@ def test_smollm2_from_its_gguf_trains_with_lora_saves_safetensors_and_runs_an_ep
     from flywheel.train.sft import train_sft
     from flywheel.train.templates import SMOLLM2_TEMPLATE, SMOLLM2_TRAINING_TEMPLATE
 
-    torch.set_num_threads(2)
     base, tokenizer = load_student(SMOL)
     # the GGUF's own tokenizer and template, every weight a plain float32 tensor (nothing left quantised)
     assert tokenizer.chat_template == SMOLLM2_TEMPLATE and tokenizer.eos_token == "<|im_end|>"

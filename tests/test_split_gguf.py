@@ -100,7 +100,6 @@ def test_qwen_coder_loads_from_its_parts_with_a_tool_template_it_can_train_on(tm
     from flywheel.train.sft import train_sft
     from flywheel.train.templates import has_generation_markers, training_template
 
-    torch.set_num_threads(2)
     model, tokenizer = load_student(QWEN_CODER_05B)
     assert type(model).__name__ == "Qwen2ForCausalLM" and {p.dtype for p in model.parameters()} == {torch.float32}
     assert sum(p.numel() for p in model.parameters()) == 630_167_424  # 494M and an untied output matrix
