@@ -365,5 +365,20 @@ def register(run: Run, name: str, model_dir: Path, model_hash: str, tags: dict,
         mv = c.create_model_version(name, run_id=run.run_id, tags=version_tags, **source)
         mv = _settle(c, name, model_hash, mv)
     for alias in aliases:
-        c.set_registered_model_alias(name, alias, str(mv.version))
+        set_alias(c, name, alias, str(mv.version))
     return _version(c.get_model_version(name, str(mv.version)))
+
+
+def set_alias(c, name: str, alias: str, version: str, attempts: int = 3) -> None:
+    """Point `alias` at `version`. MLflow's SQL stores look for the alias, then insert it: two registrations at
+    once that both set a new alias (two racers of one model, both `challenger`) can both find none, and the later
+    insert fails on the alias's unique key (SQLite: UNIQUE constraint failed; PostgreSQL: duplicate key). The alias
+    exists by then, so setting it again updates it."""
+    for attempt in range(attempts):
+        try:
+            c.set_registered_model_alias(name, alias, version)
+            return
+        except MlflowException as err:
+            text = str(err).lower()
+            if attempt == attempts - 1 or not ("unique constraint" in text or "duplicate key" in text):
+                raise

@@ -112,3 +112,34 @@ def test_two_registrations_of_one_model_racing_past_the_check_leave_one_version(
     assert [str(v.version) for v in versions] == ["1"], "exactly one version holds the model"
     assert [r.version for r in results] == ["1", "1"], "both registrations name the surviving version"
     assert registry.get_alias("p", "challenger").version == "1"
+
+
+def test_an_alias_another_registration_inserted_first_is_set_again_and_other_errors_stand(tmp_path, mlflow_store):
+    """Two registrations at once that set one new alias both find none and insert it: the later insert fails on
+    the unique key (seen once in a full suite run: UNIQUE constraint failed, from the racing test above). The
+    race cannot be forced on demand, so the client's first call fails as MLflow's store then does; the
+    second, real call sets the alias. A failure of another kind is not retried."""
+    from mlflow.exceptions import MlflowException
+
+    run = registry.start_run(tmp_path, "p", "register")
+    registry.register(run, "p", _model(tmp_path, "x"), "hash-x", {}, [])
+    real = MlflowClient()
+
+    class Racing:
+        def __init__(self, message: str):
+            self.message, self.calls = message, 0
+
+        def set_registered_model_alias(self, name, alias, version):
+            self.calls += 1
+            if self.calls == 1:
+                raise MlflowException(self.message)
+            real.set_registered_model_alias(name, alias, version)
+
+    raced = Racing("(sqlite3.IntegrityError) UNIQUE constraint failed: registered_model_aliases.workspace, "
+                   "registered_model_aliases.name, registered_model_aliases.alias")
+    registry.set_alias(raced, "p", "challenger", "1")
+    assert raced.calls == 2 and registry.get_alias("p", "challenger").version == "1"
+    other = Racing("RESOURCE_DOES_NOT_EXIST: Model Version (name=p, version=9) not found")
+    with pytest.raises(MlflowException, match="not found"):
+        registry.set_alias(other, "p", "champion", "9")
+    assert other.calls == 1
