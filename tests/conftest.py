@@ -94,9 +94,9 @@ def pytest_xdist_make_scheduler(config, log):
     80 CPU-seconds more on 2 cores).
 
     With more workers than a core each and one more (`-n auto`), the last runs only the tests marked `waits` and
-    the others never do: the stack's test waits on schedules for four minutes on a sixth of a core, and on one of
-    three workers it left a core idle for those minutes wherever it ran (a fourth worker for everything was
-    slower: more tests at once on 2 cores)."""
+    the others never do: the stack's test waits on schedules for four minutes on a sixth of a core, and as one of
+    three workers' tests it left a core idle for those minutes wherever it ran; the servers' test (three minutes)
+    joins it there. A fourth worker for everything was slower (more heavy tests at once on 2 cores)."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScheduling
@@ -124,10 +124,13 @@ def pytest_xdist_make_scheduler(config, log):
                 self.pending[:] = [i for i in self.pending if i not in taken]
                 self.node2pending[node].extend(sent)
                 node.send_runtest_some(sent)
+            if not any(self._takes(node, i) for i in self.pending) and not node.shutting_down:
+                node.shutdown()  # a worker runs its last test only once it knows no other follows
 
         def check_schedule(self, node, duration: float = 0) -> None:
-            if self.pending and not node.shutting_down and not any(self._takes(node, i) for i in self.pending):
-                node.shutdown()  # nothing left it may take: it ends after what it holds
+            if self.pending and not any(self._takes(node, i) for i in self.pending):
+                if not node.shutting_down:
+                    node.shutdown()  # nothing left it may take: it ends after what it holds
                 return
             super().check_schedule(node, duration)
 
@@ -143,8 +146,8 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(items):
     """The slow tests first, in their files' order: on `make test`'s workers (tests handed out one at a time:
     --maxschedchunk 1) the minutes-long ones start early and the quick ones fill the end, instead of one long test
-    running alone last. First of all those marked `waits` (the stack's four minutes, mostly on schedules): started
-    at the end of the slow ones, it overlapped the servers' test and left a core idle for three minutes."""
+    running alone last. Those marked `waits` before them (with `-n auto` their own worker runs them, from the
+    start)."""
     items.sort(key=lambda item: (item.get_closest_marker("waits") is None, item.get_closest_marker("slow") is None))
 
 
