@@ -49,7 +49,6 @@ def _final(client, run_id, timeout_s: float):
 
 
 @pytest.mark.slow
-@pytest.mark.waits  # three minutes of servers, schedules and flow runs: beside the stack's, on a worker of its own
 def test_deployed_retrain_on_servers_with_s3(project, prefect_api, mlflow_server, s3_bucket, process_worker,
                                              monkeypatch, tmp_path):
     from prefect.client.orchestration import get_client
