@@ -75,8 +75,8 @@ def pytest_xdist_make_scheduler(config, log):
     """`--dist load` (`make test`'s), except that a module whose tests share a module-scoped fixture goes to one
     worker whole: handed out one test at a time, its fixture was built again on every worker that got one of them
     (test_commands.py's full run three times: 80 CPU-seconds more on 2 cores). A fourth worker of its own for the
-    tests that wait on servers (the stack's, the servers') was tried: 18:07 against 16:41, as a fourth worker for
-    everything was slower too: more heavy processes at once slowed every test on 2 cores."""
+    tests that wait on servers (the stack's, the servers') was tried: 18:07 in a fresh clone, on a machine slower
+    than the 16:41 of three workers (whose own fresh clone then took 20:04): not settled, not kept."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScheduling
@@ -90,7 +90,8 @@ def pytest_xdist_make_scheduler(config, log):
             modules = {self.collection[i].split("::")[0] for i in sent} & shared
             sent += [i for i in self.pending[num:] if self.collection[i].split("::")[0] in modules]
             if sent:
-                self.pending[:] = [i for i in self.pending if i not in set(sent)]
+                taken = set(sent)
+                self.pending[:] = [i for i in self.pending if i not in taken]
                 self.node2pending[node].extend(sent)
                 node.send_runtest_some(sent)
 
