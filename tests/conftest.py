@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -19,6 +20,10 @@ REPO = Path(__file__).resolve().parent.parent
 # lost on 2 cores). One thread each; a test of the thread choice itself sets its own.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A torch thread that waits for work sleeps instead of spinning (OpenMP's default spins a while): the benchmarks'
+# quick forms and the RL tests run two threads, and on cores shared with other workers a spinning thread burns the
+# time its peer needs (smol.py's quick form: 50 CPU-seconds alone, 111 in the suite). Read when torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Before anything imports Prefect or MLflow: keep their state out of the user's home and out of the repo.
 _STATE = Path(tempfile.mkdtemp(prefix="flywheel-tests-"))
@@ -28,6 +33,9 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
 os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+# DVC's command line sends a report after every command from a detached `dvc daemon analytics` process: 258 of
+# them in a suite run, 125 CPU-seconds (5% of the suite), each trying a network this machine may not reach
+os.environ["DVC_NO_ANALYTICS"] = "1"
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_STATE / 'mlflow.db'}"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -148,6 +156,20 @@ def _run(cmd: list[str], cwd: Path) -> None:
 SOURCES_ONLY = shutil.ignore_patterns("__pycache__", "*.pyc", ".flywheel", "models", "mlruns")
 
 
+_TEMPLATE_REMOTE = Path("/template-remote")
+
+
+@functools.cache
+def _dvc_template() -> Path:
+    """A folder where `dvc init` and `dvc remote add -d local` ran, once a process: a project copies its .dvc/ with
+    the remote's URL replaced (two DVC processes for each of some forty projects were 40 CPU-seconds of the suite)."""
+    root = Path(tempfile.mkdtemp(prefix="flywheel-dvc-template-"))
+    _run(["git", "init", "-q"], root)
+    _run([sys.executable, "-m", "dvc", "init", "-q"], root)
+    _run([sys.executable, "-m", "dvc", "remote", "add", "-d", "local", str(_TEMPLATE_REMOTE)], root)
+    return root
+
+
 def make_project(root: Path, remote: Path) -> Path:
     """A project checkout at root in a new git repo with DVC (a local remote) and the small pipeline."""
     root.mkdir(parents=True)
@@ -160,8 +182,10 @@ def make_project(root: Path, remote: Path) -> Path:
     (root / "dvc.yaml").write_text(dvc_yaml(root))  # its collect deps follow this pipelines.yaml's sources
     (root / ".gitignore").write_text("/data/\n/models/\n/.flywheel/\n")
     _run(["git", "init", "-q", "-b", "main"], root)
-    _run([sys.executable, "-m", "dvc", "init", "-q"], root)
-    _run([sys.executable, "-m", "dvc", "remote", "add", "-d", "local", str(remote)], root)
+    template = _dvc_template()
+    shutil.copytree(template / ".dvc", root / ".dvc", ignore=shutil.ignore_patterns("tmp"))
+    config = (template / ".dvc" / "config").read_text()
+    (root / ".dvc" / "config").write_text(config.replace(str(_TEMPLATE_REMOTE), str(remote)))
     _run(["git", "add", "-A"], root)
     _run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "project"], root)
     return root

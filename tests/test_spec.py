@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -114,9 +113,8 @@ def test_every_stage_in_order_needs_exactly_one_spec():
 
 
 def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
-    # no analytics: DVC's daemon would write into .dvc/ after the command returns
-    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "DVC_NO_ANALYTICS": "1"})
+    # no analytics (tests/conftest.py turns them off): DVC's daemon would write into .dvc/ after the command returns
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, capture_output=True, text=True, timeout=120)
 
 
 def _remove(folder: Path, deadline_s: float = 30.0) -> None:
