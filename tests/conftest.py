@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import os
 import shutil
@@ -72,45 +73,88 @@ pipelines:
 """
 
 
+def _waiting_tests(rootpath: Path) -> set[str]:
+    """The node ids (less any parameters) of the tests marked `waits`, read from the test files' source: xdist's
+    controller hands tests out by node id and never sees their markers."""
+    found = set()
+    for path in Path(__file__).parent.glob("test_*.py"):
+        text = path.read_text()
+        if "mark.waits" in text:
+            found |= {f"{path.relative_to(rootpath)}::{node.name}" for node in ast.walk(ast.parse(text))
+                      if isinstance(node, ast.FunctionDef)
+                      and any("mark.waits" in ast.unparse(mark) for mark in node.decorator_list)}
+    return found
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: a worker more than the cores. A fifth of the suite's time is spent waiting (servers starting,
-    schedules firing, subprocesses), which left a core idle with a worker a core: 18 min against 22 on 2 cores.
-    PYTEST_XDIST_AUTO_NUM_WORKERS still decides where set."""
-    return int(os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or (os.cpu_count() or 1) + 1)
+    """`-n auto`: a worker more than the cores, and one more for the tests marked `waits` alone (see the
+    scheduler). A fifth of the suite's time is spent waiting (servers starting, subprocesses), which left a core
+    idle with a worker a core: 18 min against 22 on 2 cores. PYTEST_XDIST_AUTO_NUM_WORKERS still decides where set."""
+    cores = os.cpu_count() or 1
+    return int(os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or cores + 1 + bool(_waiting_tests(config.rootpath)))
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist load` (`make test`'s), except that a module whose tests share a module-scoped fixture goes to one
-    worker whole: handed out one test at a time, its fixture was built again on every worker that got one of them
-    (test_commands.py's full run three times: 80 CPU-seconds more on 2 cores). A fourth worker of its own for the
-    tests that wait on servers (the stack's, the servers') was tried: 18:07 in a fresh clone, on a machine slower
-    than the 16:41 of three workers (whose own fresh clone then took 20:04): not settled, not kept."""
+    """`--dist load` (`make test`'s), with two changes.
+
+    A module whose tests share a module-scoped fixture goes to one worker whole: handed out one test at a time,
+    its fixture was built again on every worker that got one of them (test_commands.py's full run three times:
+    80 CPU-seconds more on 2 cores).
+
+    With more workers than a core each and one more (`-n auto`), the last runs only the tests marked `waits` and
+    the others never do: the stack's test waits on schedules for four minutes at half a core, and as one of three
+    workers' tests it held the machine at 1.3 cores for its first five minutes (a suite run's per-test CPU, docs/
+    layout.md). A fourth worker for everything was slower (more heavy tests at once on 2 cores)."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScheduling
 
     shared = {str(path.relative_to(config.rootpath)) for path in Path(__file__).parent.glob("test_*.py")
               if 'scope="module"' in path.read_text()}
+    waiting = _waiting_tests(config.rootpath)
+    cores = os.cpu_count() or 1
 
-    class WholeModules(LoadScheduling):
+    class Scheduler(LoadScheduling):
+        def _takes(self, node, index: int) -> bool:
+            if len(self.nodes) <= cores + 1:
+                return True
+            last = max(self.nodes, key=lambda n: int(n.gateway.id.removeprefix("gw")))  # they start in any order
+            return (self.collection[index].split("[")[0] in waiting) == (node is last)
+
         def _send_tests(self, node, num: int) -> None:
-            sent = self.pending[:num]
+            mine = [i for i in self.pending if self._takes(node, i)]
+            sent = mine[:num]
             modules = {self.collection[i].split("::")[0] for i in sent} & shared
-            sent += [i for i in self.pending[num:] if self.collection[i].split("::")[0] in modules]
+            sent += [i for i in mine[num:] if self.collection[i].split("::")[0] in modules]
             if sent:
                 taken = set(sent)
                 self.pending[:] = [i for i in self.pending if i not in taken]
                 self.node2pending[node].extend(sent)
                 node.send_runtest_some(sent)
+            if not any(self._takes(node, i) for i in self.pending) and not node.shutting_down:
+                node.shutdown()  # a worker runs its last test only once it knows no other follows
 
-    return WholeModules(config, log)
+        def check_schedule(self, node, duration: float = 0) -> None:
+            if self.pending and not any(self._takes(node, i) for i in self.pending):
+                if not node.shutting_down:
+                    node.shutdown()  # nothing left it may take: it ends after what it holds
+                return
+            super().check_schedule(node, duration)
+
+        def schedule(self) -> None:
+            super().schedule()
+            for node in self.nodes:  # one that got nothing at first hears nothing more: it is asked now
+                if not self.node2pending[node] and not node.shutting_down:
+                    self.check_schedule(node)
+
+    return Scheduler(config, log)
 
 
 def pytest_collection_modifyitems(items):
     """The slow tests first, in their files' order: on `make test`'s workers (tests handed out one at a time:
     --maxschedchunk 1) the minutes-long ones start early and the quick ones fill the end, instead of one long test
-    running alone last. First of all those marked `waits` (the stack's four minutes, mostly on schedules): started
-    at the end of the slow ones, it overlapped the servers' test and left a core idle for three minutes."""
+    running alone last. Those marked `waits` before them (with `-n auto` their own worker runs them, from the
+    start)."""
     items.sort(key=lambda item: (item.get_closest_marker("waits") is None, item.get_closest_marker("slow") is None))
 
 

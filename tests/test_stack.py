@@ -112,7 +112,7 @@ def _answers(check, timeout_s: float = 60):
 
 
 @pytest.mark.slow
-@pytest.mark.waits  # four minutes, a sixth of it on a core: it overlaps the busiest start best
+@pytest.mark.waits  # four minutes at half a core, mostly waiting on schedules: on a worker of its own
 def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_killed_run(project, tmp_path):
     """`flywheel stack up` on free ports; PostgreSQL stopped under both servers (`flywheel stack status` exits 1
     naming it) and started again (status 0); a one-minute cron deployed with `flywheel deploy` fires and a worker
