@@ -102,9 +102,10 @@ def pytest_xdist_make_scheduler(config, log):
     80 CPU-seconds more on 2 cores).
 
     With more workers than a core each and one more (`-n auto`), the last runs only the tests marked `waits` and
-    the others never do: the stack's test waits on schedules for four minutes at half a core, and as one of three
-    workers' tests it held the machine at 1.3 cores for its first five minutes (a suite run's per-test CPU, docs/
-    layout.md). A fourth worker for everything was slower (more heavy tests at once on 2 cores)."""
+    the others never do: the stack's test waits on schedules for four minutes at half a core, and holds none of
+    the three workers meanwhile. Measured side by side, 21:08 against 21:31 without it, and 18:07 against 20:04 in
+    two fresh clones on another day: within the noise both times, never slower (docs/layout.md). A fourth worker
+    for everything looked slower in the one run tried (more heavy tests at once on 2 cores)."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScheduling
