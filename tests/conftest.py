@@ -53,19 +53,19 @@ os.environ["FLYWHEEL_PREFECT_TEMPLATE"] = str(Path(tempfile.gettempdir()) / f"fl
                                               else _STATE / "prefect-template")
 
 # A pipeline small enough for tests: the same stages and code as the demo, fewer tasks and steps. Its student
-# learns nothing in 30 steps (every model scores 0), so the gate's measurability checks, which would refuse it,
+# learns nothing in 60 steps (every model scores 0), so the gate's measurability checks, which would refuse it,
 # are off: the tests that use it are about the plumbing (tests/test_eval_gate.py turns them on).
 SMALL_PIPELINE = """
 pipelines:
   small:
-    environment: {name: calculator, train_tasks: 200, heldout_tasks: 30, seed: 0, max_turns: 4}
+    environment: {name: calculator, train_tasks: 600, heldout_tasks: 60, seed: 0, max_turns: 4}
     student:
       model: tiny
       tiny: {hidden_size: 64, layers: 2, heads: 4, vocab_size: 400, seed: 0}
     teacher: {policy: oracle}
     collect: {sources: ["examples/traces/*.jsonl"], heldout_fraction: 0.1, max_bad_fraction: 0.2}
     synthesize: {samples_per_task: 1}
-    sft: {steps: 30, batch_size: 16, lr: 3.0e-3, warmup_steps: 5, max_length: 128, seed: 0}
+    sft: {steps: 60, batch_size: 16, lr: 3.0e-3, warmup_steps: 5, max_length: 128, seed: 0}
     rl: {steps: 2, tasks_per_step: 4, group_size: 2, temperature: 1.0, lr: 1.0e-5, seed: 0}
     evaluate: {trace_episodes: 8}  # MLflow traces per model: a few keep the many runs of this pipeline fast
     gate: {min_score: 0.0, mode: non_inferior, margin: 0.5, max_slice_regression: 1.0,

@@ -189,7 +189,7 @@ def test_collect_stage_writes_valid_tables(tmp_path, mlflow_store):
     result = stage.fn(pipeline="small", root=str(tmp_path))
     catalog = Catalog(tmp_path, "small")
     tasks = catalog.read("tasks")
-    assert (tasks["split"] == "train").sum() >= 200 and (tasks["split"] == "heldout").sum() >= 30
+    assert (tasks["split"] == "train").sum() >= 600 and (tasks["split"] == "heldout").sum() >= 60
     assert set(tasks["origin"]) == {"generated", "trace"}
     assert tasks["task_id"].is_unique
     assert result.metrics["quarantined"] == len(catalog.read("quarantine"))

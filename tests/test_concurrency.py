@@ -169,7 +169,7 @@ def test_two_project_folders_on_one_server_train_one_pipeline_at_a_time(tmp_path
 
     projects = [make_project(tmp_path / f"worker-{i}", tmp_path / f"remote-{i}") for i in range(2)]
     for project in projects:
-        (project / "pipelines.yaml").write_text(SMALL_PIPELINE.replace("steps: 30,", "steps: 200,"))
+        (project / "pipelines.yaml").write_text(SMALL_PIPELINE.replace("steps: 60,", "steps: 200,"))
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
 
     def start(project: Path) -> subprocess.Popen:

@@ -21,7 +21,7 @@ def test_sft_stage_logs_steps_eval_loss_inputs_and_origins(project):
     text = config.read_text()
     text = text.replace("synthesize: {samples_per_task: 1}", "synthesize: {samples_per_task: 1, "
                         "include_accepted_traces: true}")
-    text = text.replace("sft: {steps: 30,", "sft: {eval_every: 5, eval_fraction: 0.1, log_every: 2, steps: 10,")
+    text = text.replace("sft: {steps: 60,", "sft: {eval_every: 5, eval_fraction: 0.1, log_every: 2, steps: 10,")
     config.write_text(text)
     collect.fn("small", str(project))
     synthesize.fn("small", str(project))

@@ -96,9 +96,9 @@ def test_the_sft_stage_validates_on_train_tasks_left_out_of_its_data(project, ca
 
     config = project / "pipelines.yaml"
     config.write_text(config.read_text()
-                      .replace("environment: {name: calculator, train_tasks: 200, heldout_tasks: 30,",
+                      .replace("environment: {name: calculator, train_tasks: 600, heldout_tasks: 60,",
                                "environment: {name: calculator, train_tasks: 60, heldout_tasks: 10,")
-                      .replace("sft: {steps: 30,", "sft: {validation_tasks: 8, validate_every: 2, steps: 4,"))
+                      .replace("sft: {steps: 60,", "sft: {validation_tasks: 8, validate_every: 2, steps: 4,"))
     collect.fn("small", str(project))
     synthesize.fn("small", str(project))
     result = sft.fn("small", str(project))
