@@ -187,6 +187,17 @@ def trl_environment(env, by_id: dict, timeout_s: float) -> type:
                                 **{t["function"]["name"]: _tool_method(t, env, timeout_s) for t in env.tools()}})
 
 
+def offer_in_order(trainer, env) -> None:
+    """The environment's tools offered to TRL's rollouts in the environment's order, as the project's harness offers
+    them and the student's SFT saw them. TRL lists an environment's methods alphabetically (inspect.getmembers), and
+    the support desk's SFT student, offered cancel_order before find_user, writes before it looks the user up: its
+    rollouts then score 0 however it is trained (the prompt differs, not the learner)."""
+    order = {tool["function"]["name"]: i for i, tool in enumerate(env.tools())}
+    trainer._env_tools = {name: sorted(methods, key=lambda m: order[m.__name__])
+                          for name, methods in trainer._env_tools.items()}
+    trainer.tools = sorted(trainer.tools, key=lambda m: order[m.__name__])
+
+
 def _as_harness_messages(messages: list[dict]) -> list[dict]:
     """TRL's messages as the project's harness writes them: tool-call arguments as a JSON string."""
     out = []
@@ -271,6 +282,7 @@ def run_trl(student: Path, env, tasks, cfg, out: Path, limits) -> dict:
         dataloader_num_workers=0)
     trainer = Timed(model=model, reward_funcs=[rubric], args=args, train_dataset=data,
                           processing_class=tokenizer, environment_factory=Episode, callbacks=[Clock()])
+    offer_in_order(trainer, env)
     trainer.train()
     clock = _clock(started, marks)
     trainer.save_model(str(out))
