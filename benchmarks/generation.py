@@ -2,7 +2,7 @@
 next, against the same policy re-reading every turn whole, and against the old path (transformers' `generate`).
 
     .venv/bin/python benchmarks/generation.py [--smol] [--conversations 16] [--turns 5] [--repeats 2]
-                                              [--threads 2] [--precision fp32] [--quick]
+                                              [--threads 2] [--precision fp32] [--student PATH] [--quick]
 
 The prompts are the oracle's support conversations of 4 or more assistant turns (its tool calls, the tools'
 results), replayed turn by turn: at turn t every conversation that has a t-th assistant turn is one row of the
@@ -24,8 +24,11 @@ between two batch sizes with no kept cache at all; `same_rows_share` says how ma
 `kept_read_share`: the prompt tokens the kept side read / all its prompt tokens; `row_steps_share`: the rows x
 steps it computed / what rows riding along to their batch's longest would have. Each side keeps its best of
 --repeats runs, alternating which goes first. Default: the tiny student of the `support` pipeline (random
-weights, tokenizer trained on the desk's oracle conversations); `--smol`: SmolLM2-135M-Instruct of
-`support-smol` with its compact tool template (needs `make smol-setup`). The last line is one JSON object.
+weights, tokenizer trained on the desk's oracle conversations); `--smol`: SmolLM2-135M-Instruct of `support-smol`
+with its compact tool template (needs `make smol-setup`). Both are untrained on the desk: their turns are what an
+untrained model writes (SmolLM2's base 43 tokens a turn here, 64 at most). `--student PATH`: a trained checkpoint
+of the pipeline's student instead (the sft or rl stage's model, or peer_rl.py's SFT student), whose turns end
+where its tool call or answer does, as in RL and evaluate. The last line is one JSON object.
 `--quick`: 4 conversations, 2 turns of 8 tokens, one run each side.
 """
 
@@ -113,10 +116,13 @@ def run_generate(model, tokenizer, batches, tools, max_new_tokens: int, precisio
     return tokens, time.perf_counter() - started
 
 
-def student(cfg, smol: bool, folder: Path):
-    """(model, tokenizer) of the pipeline's student: SmolLM2 with the pipeline's template, or a fresh tiny one."""
+def student(cfg, smol: bool, folder: Path, trained: Path | None = None):
+    """(model, tokenizer) of the pipeline's student: a trained checkpoint of it (with its own template), SmolLM2 with
+    the pipeline's template, or a fresh tiny one."""
     from flywheel.checkpoints import load_student
 
+    if trained is not None:
+        return load_student(trained)
     if smol:
         model, tokenizer = load_student(cfg.student.model)
         tokenizer.chat_template = (ROOT / cfg.student.chat_template).read_text()
@@ -137,6 +143,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the stages use the machine's 2)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                         help="bf16: autocast, as support-smol's evaluate (same tokens then a share, not asserted)")
+    parser.add_argument("--student", type=Path, help="a trained checkpoint of the pipeline's student (e.g. its "
+                        "sft stage's model) instead of its untrained base")
     parser.add_argument("--quick", action="store_true", help="the same on tiny sizes (what the tests run)")
     args = parser.parse_args()
 
@@ -155,7 +163,7 @@ def main() -> None:
     tools = env.tools()
     sampling = Sampling(temperature=0.0, max_new_tokens=max_new)
     with tempfile.TemporaryDirectory() as tmp:
-        model, tokenizer = student(cfg, args.smol, Path(tmp) / "tiny")
+        model, tokenizer = student(cfg, args.smol, Path(tmp) / "tiny", args.student)
     model.eval()
     precision = args.precision
     policies = {"kept": HFPolicy(model, tokenizer, batch_size=n, precision=precision),
@@ -181,7 +189,8 @@ def main() -> None:
     rates["generate"] = sum(len(t) for t in written["generate"]) / best["generate"]
     stats = policies["kept"].stats
     result = {
-        "student": "smol" if args.smol else "tiny", "conversations": n, "turns": len(batches),
+        "student": "smol" if args.smol else "tiny", "trained": str(args.student) if args.student else None,
+        "conversations": n, "turns": len(batches),
         "rows": sum(len(b) for b in batches), "max_new_tokens": max_new, "generated_tokens": generated,
         "kept_tokens_per_s": round(rates["kept"], 1), "reread_tokens_per_s": round(rates["reread"], 1),
         "generate_tokens_per_s": round(rates["generate"], 1),
