@@ -101,7 +101,8 @@ class Harness:
 
     def run(self, policy: Policy, tasks: Sequence[Task], *, samples: int = 1, sampling: Sampling | None = None,
             on_done: Callable[[Episode], None] | None = None) -> list[Episode]:
-        """Run `samples` episodes per task, all conversations advancing together one turn at a time (batched).
+        """Run `samples` episodes per task, all conversations advancing together (batched); each is scored, and
+        on_done called with it, as soon as it ends (progress while the longer ones go on).
 
         An episode of a failed simulated user is still returned (stop "user_error"), scored but marked: callers
         leave it out (Episode.scored)."""
@@ -113,15 +114,23 @@ class Harness:
         tools = env.tools()
         # one state per episode, made before its first turn and torn down after its score: never shared
         states = {id(e): env.start(e.task) for e in episodes}
+        scored: set[int] = set()
+
+        def ended(episode: Episode) -> None:
+            """Score an episode as soon as it ends (its state is final), so on_done counts progress as it goes."""
+            scored.add(id(episode))
+            if episode.stop in ("max_turns", "budget", "error_turns"):
+                env.count("conversations_cut")
+            score = env.score(episode.task, episode.messages, states[id(episode)])
+            episode.reward, episode.passed, episode.breakdown = score.reward, score.passed, dict(score.breakdown)
+            if on_done:
+                on_done(episode)
+
         try:
-            _advance(env, policy, episodes, states, tools, sampling, self.limits)
-            for episode in episodes:
-                if episode.stop in ("max_turns", "budget", "error_turns"):
-                    env.count("conversations_cut")
-                score = env.score(episode.task, episode.messages, states[id(episode)])
-                episode.reward, episode.passed, episode.breakdown = score.reward, score.passed, dict(score.breakdown)
-                if on_done:
-                    on_done(episode)
+            _advance(env, policy, episodes, states, tools, sampling, self.limits, ended)
+            for episode in episodes:  # a policy that returned without ending one (none here) still gets it scored
+                if id(episode) not in scored:
+                    ended(episode)
         finally:
             for state in states.values():
                 if state is not None:
@@ -138,10 +147,10 @@ def load_harness(cfg, root: str | Path, pipeline: str | None = None) -> Harness:
 
 
 def _advance(env: Environment, policy: Policy, episodes: list[Episode], states: dict, tools: list[dict],
-             sampling: Sampling, limits: Limits) -> None:
-    """Advance every episode to its end: in one batch that each conversation goes on in after its turns, where
-    the policy can (continues_turns: the hf policy), else one turn at a time, all conversations in one policy
-    batch per turn."""
+             sampling: Sampling, limits: Limits, ended: Callable[[Episode], None]) -> None:
+    """Advance every episode to its end, `ended(episode)` as each ends: in one batch that each conversation goes
+    on in after its turns, where the policy can (continues_turns: the hf policy), else one turn at a time, all
+    conversations in one policy batch per turn."""
     errors_in_row = {id(e): 0 for e in episodes}
 
     def most_tokens(active: list[Episode]) -> Sampling:
@@ -155,6 +164,7 @@ def _advance(env: Environment, policy: Policy, episodes: list[Episode], states: 
         def then(i: int, completion: Completion) -> tuple[list[dict], int] | None:
             episode = episodes[i]
             if not _after_turn(env, episode, completion, states[id(episode)], limits, errors_in_row):
+                ended(episode)
                 return None
             return episode.messages, most_tokens([episode]).max_new_tokens
 
@@ -168,8 +178,13 @@ def _advance(env: Environment, policy: Policy, episodes: list[Episode], states: 
         turn = most_tokens(active)
         completions = (policy.generate(conversations, tools, turn, states=[states[id(e)] for e in active])
                        if with_states else policy.generate(conversations, tools, turn))
-        active = [e for e, completion in zip(active, completions, strict=True)
-                  if _after_turn(env, e, completion, states[id(e)], limits, errors_in_row)]
+        going_on = []
+        for episode, completion in zip(active, completions, strict=True):
+            if _after_turn(env, episode, completion, states[id(episode)], limits, errors_in_row):
+                going_on.append(episode)
+            else:
+                ended(episode)
+        active = going_on
 
 
 def _after_turn(env: Environment, episode: Episode, completion: Completion, state: object, limits: Limits,

@@ -77,6 +77,24 @@ def test_oracle_solves_every_task_in_two_turns(env):
     assert text.startswith("<tool_call>") and parse_completion(text).message["tool_calls"]
 
 
+def test_each_episode_is_scored_and_reported_as_soon_as_it_ends():
+    """on_done (evaluate's progress) hears of an episode when it ends, scored, while longer ones still run: a
+    long evaluation counts its episodes as they finish, not all at the very end."""
+    from flywheel.envs.support import make_env
+
+    desk = make_env(hard_fraction=0.5)
+    tasks = list(islice(desk.generate_tasks(0), 20))
+    seen = []
+    episodes = Harness(desk, Limits(max_turns=13)).run(OraclePolicy(desk), tasks,
+                                                        on_done=lambda e: seen.append((e.turns, e.passed)))
+    assert len(seen) == 20 and all(passed for _, passed in seen)  # scored before on_done heard of it
+    turns = [t for t, _ in seen]
+    # reported in the order they ended (the tasks' order mixes short and long ones), the first while longer ones
+    # went on
+    assert turns == sorted(turns) and turns[0] < turns[-1]
+    assert [e.turns for e in episodes] != turns
+
+
 def test_turn_limit_stops_an_endless_caller(env):
     task = next(env.generate_tasks(0))
     policy = Scripted(env, [call(json.dumps({"expression": "1 + 1"}))] * 10)
