@@ -42,11 +42,12 @@ What cannot be made equal, and what is measured instead:
   computation on both sides, which on SmolLM2 needs more than a 24 GB machine has (TRL killed at 19.6 GB RSS).
 - Malformed tool calls: TRL ends the episode there; so does the project under the pipelines'
   `environment.max_error_turns: 1` (its harness shows the error as a user turn, which carries no loss).
-- Timing: wall time runs from before the model is loaded to the end of the last optimiser step, saving excluded;
-  `first_step_s` is loading, starting (the project's actor process) and the first step, `steady_episodes_per_s`
-  the steps after it. Where the time goes: `generate_s` (the project: the rollouts, which overlap the learner's
-  steps when an actor is asynchronous; TRL: `_generate_and_score_completions`), `learn_s` (the optimiser steps;
-  TRL: the rest of its training steps) and, for the project, `wait_s` (the learner waiting for groups).
+- Timing: wall time runs from before the model is loaded (its classes imported before, on both sides) to the end
+  of the last optimiser step, saving excluded; `first_step_s` is loading, starting (the project's actor process)
+  and the first step, `steady_episodes_per_s` the steps after it. Where the time goes: `generate_s` (the
+  project: the rollouts, which overlap the learner's steps when an actor is asynchronous; TRL:
+  `_generate_and_score_completions`), `learn_s` (the optimiser steps; TRL: the rest of its training steps) and,
+  for the project, `wait_s` (the learner waiting for groups).
   Peak RSS is the run's process plus its largest child (the project's actor), from getrusage.
 The last line is one JSON object: medians over rounds, `ratio` = project episodes/s over TRL's (`steady_ratio`:
 the same without the first step), the held-out difference (project - TRL) with its paired interval.
@@ -117,8 +118,6 @@ def rl_config(pipeline, steps: int, tasks_per_step: int, sync: bool):
 def run_project(student: Path, env, tasks, cfg, out: Path, limits) -> dict:
     """train_rl as the rl stage calls it, in the harness under the pipeline's limits (turns, error turns, the
     episode's token budget); the time to the last step and the tokens generated."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (as run_trl, before its clock)
-
     from flywheel.agent import Harness
 
     # the modules the run uses imported before its clock, as TRL's trainer is before TRL's: neither side's clock
@@ -128,6 +127,7 @@ def run_project(student: Path, env, tasks, cfg, out: Path, limits) -> dict:
     from flywheel.train.rl.loop import train_rl
 
     steps: list[tuple[float, dict]] = []
+    load_classes(student)
     started = time.perf_counter()
     train_rl(student, Harness(env, limits), tasks, cfg, out, device="cpu",
              on_step=lambda step, m: steps.append((time.perf_counter(), m)))
@@ -139,6 +139,17 @@ def run_project(student: Path, env, tasks, cfg, out: Path, limits) -> dict:
             "generate_s": sum(m["generate_s"] for _, m in steps), "learn_s": sum(m["learn_s"] for _, m in steps),
             "wait_s": sum(m["wait_s"] for _, m in steps), "first_wait_s": steps[0][1]["wait_s"],
             "reward_first": steps[0][1]["reward_mean"], "reward_last": steps[-1][1]["reward_mean"]}
+
+
+def load_classes(student: Path) -> None:
+    """The student's configuration, tokenizer and model classes imported, as both systems do before their clocks
+    start: transformers imports a model's modules on first use (about a second for Llama's here), and TRL's trainer
+    import, before its clock, already brings in much of what the project's would pay for inside its own."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    AutoTokenizer.from_pretrained(student)
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(student))]
 
 
 def _clock(started: float, marks: list[float]) -> dict:
@@ -270,6 +281,7 @@ def run_trl(student: Path, env, tasks, cfg, out: Path, limits, checkpointing: bo
             if logs and "completions/mean_length" in logs:
                 lengths.append(logs["completions/mean_length"])
 
+    load_classes(student)
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(student)
     # The tiny template writes tool calls as Qwen's do (<tool_call>{json}</tool_call>): TRL's Qwen parser reads them.
