@@ -17,12 +17,11 @@ Both get the same tasks in the same order (the project's seeded stream, given to
 steps, learning rate (constant, AdamW, no weight decay), clip epsilon, grad-norm clip, sampling temperature
 (top-p 1), `max_new_tokens` and loss (`grpo`: mean per sequence; advantages normalised by the group std),
 one pass over each batch in one minibatch (epochs_per_batch / num_iterations 1), no KL (beta 0), two CPU threads
-each (the project:
-one learner and one actor thread, or both to the learner when it has no actor), and the environment's tools
-offered in the environment's order (TRL's own is alphabetical). RL is full-parameter in both: the project's rl
-stage has no LoRA, so TRL gets none either. Each trained checkpoint is scored greedily on the same held-out tasks
-in the project's harness (`Harness.run` + `HFPolicy`, the pipeline's limits); the difference is paired per task
-(flywheel/evaluate/stats.py).
+each (the project: one learner and one actor thread, or both to the learner when it has no actor), and the
+environment's tools offered in the environment's order (TRL's own is alphabetical). RL is full-parameter in both:
+the project's rl stage has no LoRA, so TRL gets none either. Each trained checkpoint is scored greedily on the
+same held-out tasks in the project's harness (`Harness.run` + `HFPolicy`, the pipeline's limits); the difference
+is paired per task (flywheel/evaluate/stats.py).
 
 What cannot be made equal, and what is measured instead:
 - Asynchronous rollouts: TRL's GRPOTrainer generates and learns in turn in one process; the project overlaps the
