@@ -150,3 +150,17 @@ def test_an_opening_every_row_shares_is_read_once_and_changes_no_turn(tiny_stude
     assert [c.usage for c in once] == [c.usage for c in whole]
     for a, b in zip(once, whole, strict=True):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_an_episode_in_the_continuing_batch_is_reported_while_the_batch_decodes(tiny_student, env):
+    """The hf policy runs whole episodes in one batch: the harness hears of each as its row ends (evaluate's
+    progress), not when the whole batch is done."""
+    from flywheel.policies.hf import HFPolicy
+
+    policy = HFPolicy(tiny_student, batch_size=8)
+    steps_when_done = []
+    Harness(env, Limits(max_turns=3)).run(policy, list(islice(env.generate_tasks(0), 8)),
+                                          sampling=Sampling(temperature=1.0, max_new_tokens=24, seed=0),
+                                          on_done=lambda e: steps_when_done.append(policy.stats.steps))
+    assert len(steps_when_done) == 8
+    assert steps_when_done[0] < policy.stats.steps  # the first was reported while other rows still decoded
