@@ -164,3 +164,46 @@ def test_an_episode_in_the_continuing_batch_is_reported_while_the_batch_decodes(
                                           on_done=lambda e: steps_when_done.append(policy.stats.steps))
     assert len(steps_when_done) == 8
     assert steps_when_done[0] < policy.stats.steps  # the first was reported while other rows still decoded
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_bf16_casts_each_weight_once_a_call_and_keeps_its_cache_in_bf16_with_the_same_turns(
+        tiny_student, env, monkeypatch, continuous):
+    """Under autocast the weights are cast once per call (not at every linear of every step: inference_mode turns
+    autocast's cache of cast weights off) and the kept keys and values are bf16, the dtype attention reads them in:
+    the same tokens and logprobs as a cache kept in fp32, which attention cast whole at every step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import flywheel.policies.decoding as decoding
+
+    policy = HFPolicy(tiny_student, batch_size=8, precision="bf16", continuous=continuous)
+    weights = {p.data_ptr(): name for name, p in policy.model.named_parameters()}
+    casts: dict[str, int] = {}
+
+    class CountWeightCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # (inference_mode shows autocast's casts as aten.to.dtype, no_grad as aten._to_copy)
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype) and args[0].data_ptr() in weights:
+                name = weights[args[0].data_ptr()]
+                casts[name] = casts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    tasks = list(islice(env.generate_tasks(5), 6))
+    sampling = Sampling(temperature=1.0, max_new_tokens=12, seed=4)
+
+    def run() -> list:
+        return Harness(env, Limits(max_turns=3)).run(policy, tasks, sampling=sampling)
+
+    with CountWeightCasts():
+        episodes = run()
+    assert policy.stats.steps > 3 and casts and max(casts.values()) == 1  # every step used the one cast
+    kept = [k for entry in policy.kept.entries for k, _ in entry.layers]
+    if not continuous:  # turn by turn: finished rows' caches are kept for their next turn
+        assert kept and {k.dtype for k in kept} == {torch.bfloat16}
+    policy.forget()
+    monkeypatch.setattr(decoding, "_stored_dtype", lambda states: states.dtype)  # the cache as the model made it
+    in_fp32 = run()
+    assert [[c.token_ids for c in e.completions] for e in episodes] == \
+        [[c.token_ids for c in e.completions] for e in in_fp32]
+    assert [[c.logprobs for c in e.completions] for e in episodes] == \
+        [[c.logprobs for c in e.completions] for e in in_fp32]

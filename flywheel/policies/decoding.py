@@ -154,7 +154,12 @@ def plain_model(model) -> bool:
 class GrowingLayer(DynamicLayer):
     """A DynamicLayer whose keys and values are views into buffers with room to grow: a decode step writes its
     token into the room where DynamicLayer concatenates, copying the whole cache every step (for SmolLM2 on a CPU
-    about as long as the step's matmuls at a thousand tokens)."""
+    about as long as the step's matmuls at a thousand tokens).
+
+    Under autocast the buffers hold autocast's dtype (bf16), the dtype attention reads them in: autocast casts
+    scaled_dot_product_attention's inputs, so a cache kept in the projections' fp32 (rotary embeddings promote
+    the keys) was cast whole, every layer, every step, at twice the memory. Rounding once on the way in gives the
+    same values attention read before."""
 
     def __init__(self, spare: int = 64, **kwargs):
         super().__init__(**kwargs)
@@ -170,13 +175,22 @@ class GrowingLayer(DynamicLayer):
                 or room[0].shape[0] != key_states.shape[0] or end > room[0].shape[-2]):
             # a fresh buffer: the first write, rows or columns dropped (a copy already), or the room used up
             shape = (*key_states.shape[:2], end + max(self.spare, end // 8), key_states.shape[-1])
-            room = (key_states.new_empty(shape), value_states.new_empty(shape))
+            dtype = _stored_dtype(key_states)
+            room = (key_states.new_empty(shape, dtype=dtype), value_states.new_empty(shape, dtype=dtype))
             if length:
                 room[0][:, :, :length], room[1][:, :, :length] = self.keys, self.values
             self.room = room
         room[0][:, :, length:end], room[1][:, :, length:end] = key_states, value_states
         self.keys, self.values = room[0][:, :, :end], room[1][:, :, :end]
         return self.keys, self.values
+
+
+def _stored_dtype(states: torch.Tensor) -> torch.dtype:
+    """The dtype a cache keeps its keys and values in: autocast's where it is on (attention casts them to it)."""
+    kind = states.device.type
+    if states.is_floating_point() and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return states.dtype
 
 
 def decode(model, sources: list[Source], sampling: Sampling, eos: int, pad: int, constraints: list | None,

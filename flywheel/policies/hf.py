@@ -95,8 +95,10 @@ class HFPolicy:
         with self._lock:
             self.kept.start(self.model)
         try:
-            # fork_rng: a seeded call must not reset the caller's global random state
-            with torch.inference_mode(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            # fork_rng: a seeded call must not reset the caller's global random state. no_grad, not
+            # inference_mode: under inference_mode autocast casts every weight again at every linear call (its cache
+            # of cast weights is off there), which was most of a bf16 decode step's time on a CPU.
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 if sampling.seed is not None:
                     torch.manual_seed(sampling.seed)
                 if then is not None:
