@@ -15,9 +15,10 @@ from flywheel.policies.continuing import Next, decode_episodes
 from flywheel.policies.decoding import Decoded, DecodeStats, KeptCaches, Source, decode, plain_model
 from flywheel.policies.toolcalls import parse_completion
 
-# Kept caches between calls. A token costs 2 x layers x kv_heads x head_dim x 4 bytes in fp32: SmolLM2-135M
-# 46 KB, so 1 GiB holds ~23,000 tokens, 32 support-desk conversations of ~700 tokens (a turn's batch in evaluate
-# and RL); the tiny student 2-8 KB, thousands of conversations. Rows past it are read whole again.
+# Kept caches between calls. A token costs 2 x layers x kv_heads x head_dim x 4 bytes in fp32 (2 in bf16, where
+# the cache is kept in autocast's dtype): SmolLM2-135M 46 KB, so 1 GiB holds ~23,000 tokens, 32 support-desk
+# conversations of ~700 tokens (a turn's batch in evaluate and RL; twice that in bf16); the tiny student 2-8 KB,
+# thousands of conversations. Rows past it are read whole again.
 KEPT_BYTES = 1 << 30
 
 
@@ -30,11 +31,12 @@ class HFPolicy:
                  precision: str = "fp32", kept_bytes: int = KEPT_BYTES, continuous: bool = True):
         """A checkpoint path is loaded onto `device` (auto: CUDA when present); a live model stays where it is.
 
-        precision: bf16 generates under bfloat16 autocast (the weights stay as they are): on a CPU with native
-        bf16 about twice the tokens a second of fp32 (benchmarks/smol.py), greedy turns that may differ from
-        fp32's where two tokens are nearly tied. kept_bytes: the most memory finished rows' caches keep between
-        calls for the next turn of their conversation (0: every turn is read whole). continuous: the harness's
-        episodes go on in one batch from turn to turn (continues_turns; not with kept_bytes 0)."""
+        precision: bf16 generates under bfloat16 autocast (the weights stay as they are, cast once a call; the
+        cache kept in bf16): on a CPU with native bf16 about twice the tokens a second of fp32
+        (benchmarks/smol.py), greedy turns that may differ from fp32's where two tokens are nearly tied.
+        kept_bytes: the most memory finished rows' caches keep between calls for the next turn of their
+        conversation (0: every turn is read whole). continuous: the harness's episodes go on in one batch from
+        turn to turn (continues_turns; not with kept_bytes 0)."""
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"precision: {precision!r} (fp32 or bf16)")
         if isinstance(model_or_path, (str, Path)):
