@@ -20,6 +20,7 @@ import torch
 
 from flywheel.policies.base import Sampling
 from flywheel.policies.decoding import COMPACT_SHARE, Decoded, DecodeStats, Source, prefill, sample_step
+from flywheel.policies.shared_prefix import SharedPrefix
 
 # Rows are moved together (a copy of the live ones) once at most this share of the slots is live and nothing waits.
 COMPACT_SLOTS = 0.5
@@ -46,15 +47,23 @@ class _Row:
 
 def decode_episodes(model, first: list[Source], constraints: list | None, sampling: Sampling, eos: int, pad: int,
                     stats: DecodeStats, ended: Callable[[int, Decoded], Next | None],
-                    waiting: deque[tuple[int, Source, object | None]]) -> None:
-    """Decode `first` (keys 0..n-1, one slot each) and the conversations `waiting` holds (key, source,
-    constraint), each taking a slot as one frees, until none is left: ended(key, decoded) is called at the end of
-    each turn and says how the row goes on (None: its episode is over and its slot is free). Sampling draws from
-    torch's global generator (the caller seeds it)."""
+                    waiting: deque[tuple[int, Source, object | None]], prefix: SharedPrefix | None = None,
+                    keys: list[int] | None = None, caps: list[int] | None = None) -> None:
+    """Decode `first` (keys 0..n-1 and a turn's tokens up to sampling.max_new_tokens, unless `keys` and `caps`
+    say; one slot each) and the conversations `waiting` holds (key,
+    source, constraint), each taking a slot as one frees, until none is left: ended(key, decoded) is called at the
+    end of each turn and says how the row goes on (None: its episode is over and its slot is free). prefix: the
+    opening every source's ids follow, held once (flywheel.policies.shared_prefix); a turn whose conversation no
+    longer begins with it goes on after the others, in a batch of its own kind. Sampling draws from torch's
+    global generator (the caller seeds it)."""
     device = next(model.parameters()).device
-    logits, cache, mask, position = prefill(model, first, pad, device, stats, True, sampling.max_new_tokens)
-    rows: list[_Row | None] = [_Row(i, list(s.ids), constraints[i] if constraints else None, Decoded(),
-                                    sampling.max_new_tokens) for i, s in enumerate(first)]
+    logits, cache, mask, position = prefill(model, first, pad, device, stats, True, sampling.max_new_tokens, prefix)
+    shared = {"shared_prefix": prefix} if prefix is not None else {}
+    keys = keys if keys is not None else list(range(len(first)))
+    caps = caps if caps is not None else [sampling.max_new_tokens] * len(first)
+    rows: list[_Row | None] = [_Row(keys[i], list(s.ids), constraints[i] if constraints else None, Decoded(),
+                                    min(caps[i], sampling.max_new_tokens)) for i, s in enumerate(first)]
+    apart: list[tuple[int, Source, object | None, int]] = []  # turns that no longer begin with the prefix
     stats.calls, stats.rows = stats.calls + 1, stats.rows + len(first)
     while any(r is not None for r in rows):
         live = [slot for slot, r in enumerate(rows) if r is not None]
@@ -78,12 +87,19 @@ def decode_episodes(model, first: list[Source], constraints: list | None, sampli
                 chosen[slot], stepping[slot] = token, True
                 continue
             nxt = ended(row.key, row.result)
+            ids = nxt.ids if nxt is not None else None
+            if prefix is not None and nxt is not None:
+                if nxt.ids[:len(prefix)] == prefix.ids:
+                    ids = nxt.ids[len(prefix):]
+                else:  # not seen with a template that renders a conversation's opening as it is
+                    apart.append((row.key, Source(list(nxt.ids)), nxt.constraint, nxt.max_new_tokens))
+                    nxt = None
             if nxt is None:
                 rows[slot] = None
                 mask[slot] = 0
                 continue
-            going_on.append((slot, _source_in_slot(cache, mask, slot, row.fed, nxt.ids)))
-            rows[slot] = _Row(row.key, list(nxt.ids), nxt.constraint, Decoded(),
+            going_on.append((slot, _source_in_slot(cache, mask, slot, row.fed, ids)))
+            rows[slot] = _Row(row.key, list(ids), nxt.constraint, Decoded(),
                               min(nxt.max_new_tokens, sampling.max_new_tokens))
         while None in rows and waiting:  # free slots to waiting conversations
             key, source, constraint = waiting.popleft()
@@ -98,12 +114,12 @@ def decode_episodes(model, first: list[Source], constraints: list | None, sampli
         free = torch.tensor([r is None for r in rows]) | (mask.sum(dim=1) == 0).cpu()
         mask = torch.cat([mask, (stepping | free).to(mask.dtype)[:, None].to(mask.device)], dim=1)
         out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=position[:, None], cache=cache,
-                    use_cache=True)
+                    use_cache=True, **shared)
         logits, cache = out.logits[:, -1], out.cache
         position = torch.where(stepping.to(position.device), position + 1, position)
         if going_on:
             logits, mask, position = _read_into_slots(model, cache, mask, position, logits, going_on, pad, device,
-                                                      stats, sampling.max_new_tokens)
+                                                      stats, sampling.max_new_tokens, prefix)
         if not waiting and sum(r is not None for r in rows) <= COMPACT_SLOTS * len(rows):
             keep = [slot for slot, r in enumerate(rows) if r is not None]
             index = torch.tensor(keep, device=device)
@@ -111,6 +127,12 @@ def decode_episodes(model, first: list[Source], constraints: list | None, sampli
             mask, position, logits = mask[index], position[index], logits[index]
             rows = [rows[s] for s in keep]
         mask = _trim(cache, mask)
+    slots = len(first)
+    for start in range(0, len(apart), slots):  # their own batches, every row read whole
+        chunk = apart[start:start + slots]
+        decode_episodes(model, [source for _, source, _, _ in chunk], [c for _, _, c, _ in chunk], sampling, eos,
+                        pad, stats, ended, deque(), keys=[key for key, _, _, _ in chunk],
+                        caps=[cap for _, _, _, cap in chunk])
 
 
 def _trim(cache, mask: torch.Tensor) -> torch.Tensor:
@@ -135,11 +157,11 @@ def _source_in_slot(cache, mask: torch.Tensor, slot: int, fed: list[int], ids: l
     return Source(list(ids), common, layers if common else None)
 
 
-def _read_into_slots(model, cache, mask, position, logits, going_on, pad, device, stats, spare):
+def _read_into_slots(model, cache, mask, position, logits, going_on, pad, device, stats, spare, prefix):
     """Read the going-on rows apart (their kept part from their slot) and write each back into its slot, ending
     at the cache's last column, growing the cache on the left where a row is longer than it is wide."""
     sources = [source for _, source in going_on]
-    row_logits, row_cache, row_mask, row_position = prefill(model, sources, pad, device, stats, True, spare)
+    row_logits, row_cache, row_mask, row_position = prefill(model, sources, pad, device, stats, True, spare, prefix)
     width = mask.shape[1]
     need = int(row_mask.sum(dim=1).max())
     if need > width:

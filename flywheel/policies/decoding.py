@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from flywheel.policies.base import Sampling
+from flywheel.policies.shared_prefix import SharedPrefix
 
 # Dropping the columns no remaining row attends to copies the cache: only when at least this share of it goes.
 COMPACT_SHARE = 0.125
@@ -34,6 +35,7 @@ class DecodeStats:
     read_tokens: int = 0  # prompt tokens read by a forward pass
     reused_tokens: int = 0  # prompt tokens taken from a kept cache (or from the batch's opening, read once)
     kept_rows: int = 0  # finished rows whose cache was kept
+    prefix_rows: int = 0  # rows read after an opening held once for the batch (flywheel.policies.shared_prefix)
 
 
 @dataclass
@@ -194,13 +196,17 @@ def _stored_dtype(states: torch.Tensor) -> torch.dtype:
 
 
 def decode(model, sources: list[Source], sampling: Sampling, eos: int, pad: int, constraints: list | None,
-           stats: DecodeStats, keep=None) -> list[Decoded]:
+           stats: DecodeStats, keep=None, prefix: SharedPrefix | None = None) -> list[Decoded]:
     """Generate for every row until it writes `eos` or reaches sampling.max_new_tokens, a row leaving the batch
     when it ends. keep(row, ids, layers): called with each finished row's cache (the tokens it read and their
-    keys/values) where the cache is plain. Sampling draws from torch's global generator (the caller seeds it)."""
+    keys/values, the shared prefix's included) where the cache is plain. prefix: the opening every row's ids
+    follow, held once (flywheel.policies.shared_prefix). Sampling draws from torch's global generator (the caller
+    seeds it)."""
     device = next(model.parameters()).device
     plain = plain_model(model)
-    logits, cache, mask, position = prefill(model, sources, pad, device, stats, plain, sampling.max_new_tokens)
+    logits, cache, mask, position = prefill(model, sources, pad, device, stats, plain, sampling.max_new_tokens,
+                                            prefix)
+    shared = {"shared_prefix": prefix} if prefix is not None else {}
     results = [Decoded() for _ in sources]
     fed = [list(s.ids) for s in sources]  # what each row's cache holds, by its mask's columns
     active = list(range(len(sources)))
@@ -223,8 +229,11 @@ def decode(model, sources: list[Source], sampling: Sampling, eos: int, pad: int,
             if token == eos or len(result.token_ids) >= sampling.max_new_tokens:
                 if keep is not None and plain:
                     columns = mask[slot].bool()
-                    keep(row, fed[row], [(layer.keys[slot][:, columns], layer.values[slot][:, columns])
-                                         for layer in cache.layers])
+                    layers = [(layer.keys[slot][:, columns], layer.values[slot][:, columns]) for layer in cache.layers]
+                    if prefix is None:
+                        keep(row, fed[row], layers)
+                    else:
+                        keep(row, prefix.ids + fed[row], prefix.joined(layers))
             else:
                 staying.append(slot)
                 fed[row].append(token)
@@ -239,7 +248,7 @@ def decode(model, sources: list[Source], sampling: Sampling, eos: int, pad: int,
                 mask = _compact(cache, mask)
         mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
         out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=position[:, None], cache=cache,
-                    use_cache=True)
+                    use_cache=True, **shared)
         logits, cache, position = out.logits[:, -1], out.cache, position + 1
     stats.ridealong_row_steps += steps * len(sources)
     return results
@@ -263,8 +272,10 @@ def sample_step(logits: torch.Tensor, sampling: Sampling, constraints: list | No
     return chosen, logprobs, masked
 
 
-def prefill(model, sources: list[Source], pad: int, device, stats: DecodeStats, plain: bool, spare: int):
-    """Read every row's unread rest over its kept cache: (last logits, cache, mask, next position per row)."""
+def prefill(model, sources: list[Source], pad: int, device, stats: DecodeStats, plain: bool, spare: int,
+            prefix: SharedPrefix | None = None):
+    """Read every row's unread rest over its kept cache (and the shared prefix, where given, which every row's ids
+    follow): (last logits, cache, mask, next position per row)."""
     width_kept = max(s.reuse for s in sources)
     rests = [s.ids[s.reuse:] for s in sources]
     width_rest = max(len(r) for r in rests)
@@ -275,7 +286,7 @@ def prefill(model, sources: list[Source], pad: int, device, stats: DecodeStats, 
         mask[i, mask.shape[1] - len(rest):] = 1
         ids[i, width_rest - len(rest):] = torch.tensor(rest)
     stats.read_tokens += sum(len(r) for r in rests)
-    stats.reused_tokens += sum(s.reuse for s in sources)
+    stats.reused_tokens += sum(s.reuse for s in sources) + (len(prefix) * len(sources) if prefix is not None else 0)
     if plain:
         cache = DynamicCache()
         cache.layer_class_to_replicate = functools.partial(GrowingLayer, spare=spare)
@@ -286,8 +297,12 @@ def prefill(model, sources: list[Source], pad: int, device, stats: DecodeStats, 
         cache = DynamicCache(config=model.config)
     mask = mask.to(device)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, width_kept:]
+    shared = {}
+    if prefix is not None:
+        positions, shared = positions + len(prefix), {"shared_prefix": prefix}
+        stats.prefix_rows += len(sources)
     out = model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions, cache=cache,
-                use_cache=True, logits_to_keep=1)
+                use_cache=True, logits_to_keep=1, **shared)
     return out.logits[:, -1], out.cache, mask, positions[:, -1] + 1
 
 

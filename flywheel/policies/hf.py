@@ -13,6 +13,7 @@ from pathlib import Path
 from flywheel.policies.base import Completion, Sampling
 from flywheel.policies.continuing import Next, decode_episodes
 from flywheel.policies.decoding import Decoded, DecodeStats, KeptCaches, Source, decode, plain_model
+from flywheel.policies.shared_prefix import SharedPrefix, use_shared_prefix
 from flywheel.policies.toolcalls import parse_completion
 
 # Kept caches between calls. A token costs 2 x layers x kv_heads x head_dim x 4 bytes in fp32 (2 in bf16, where
@@ -28,7 +29,8 @@ class HFPolicy:
     name = "hf"
 
     def __init__(self, model_or_path, tokenizer=None, batch_size: int = 64, device: str = "auto",
-                 precision: str = "fp32", kept_bytes: int = KEPT_BYTES, continuous: bool = True):
+                 precision: str = "fp32", kept_bytes: int = KEPT_BYTES, continuous: bool = True,
+                 shared_prefix: bool = True):
         """A checkpoint path is loaded onto `device` (auto: CUDA when present); a live model stays where it is.
 
         precision: bf16 generates under bfloat16 autocast (the weights stay as they are, cast once a call; the
@@ -36,7 +38,9 @@ class HFPolicy:
         (benchmarks/smol.py), greedy turns that may differ from fp32's where two tokens are nearly tied.
         kept_bytes: the most memory finished rows' caches keep between calls for the next turn of their
         conversation (0: every turn is read whole). continuous: the harness's episodes go on in one batch from
-        turn to turn (continues_turns; not with kept_bytes 0)."""
+        turn to turn (continues_turns; not with kept_bytes 0). shared_prefix: on a CPU, the opening a batch's rows
+        share (the system prompt and tools) is held once and attended to once for all rows
+        (flywheel.policies.shared_prefix), not copied into every row's cache."""
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"precision: {precision!r} (fp32 or bf16)")
         if isinstance(model_or_path, (str, Path)):
@@ -60,6 +64,7 @@ class HFPolicy:
         self.plain = plain_model(self.model)
         self.kept = KeptCaches(kept_bytes if self.plain else 0)
         self.continuous = continuous and self.plain and kept_bytes > 0
+        self.shared_prefix = shared_prefix and self.plain and use_shared_prefix(self.model)
         self.stats = DecodeStats()
         self._lock = threading.Lock()
 
@@ -133,9 +138,9 @@ class HFPolicy:
                 self.stats.kept_rows += self.kept.add(ids, layers)
 
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
-            sources = self._sources(rows, device)
+            sources, prefix = self._sources(rows, device)
             decoded = decode(self.model, sources, sampling, tok.eos_token_id, pad, constraints, self.stats,
-                             keep=keep if self.kept.max_bytes else None)
+                             keep=keep if self.kept.max_bytes else None, prefix=prefix)
         return [self._completion(len(ids_in), row) for ids_in, row in zip(rows, decoded, strict=True)]
 
     def _render(self, conversations: Sequence[list[dict]], tools: list[dict]) -> list[list[int]]:
@@ -168,7 +173,7 @@ class HFPolicy:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         rows = self._render(conversations, tools)
         constraints = self._constraints(tools, sampling, len(rows)) or [None] * len(rows)
-        sources = self._sources(rows, device)
+        sources, prefix = self._sources(rows, device)
         prompts, started = [len(r) for r in rows], [time.perf_counter()] * len(rows)
         last: list[Completion | None] = [None] * len(rows)
 
@@ -188,28 +193,52 @@ class HFPolicy:
         waiting = deque((i, sources[i], constraints[i]) for i in range(first, len(rows)))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
             decode_episodes(self.model, sources[:first], constraints[:first], sampling, tok.eos_token_id, pad,
-                            self.stats, ended, waiting)
+                            self.stats, ended, waiting, prefix)
         return last
 
-    def _sources(self, rows: list[list[int]], device) -> list[Source]:
+    def _sources(self, rows: list[list[int]], device) -> tuple[list[Source], SharedPrefix | None]:
         """Each row with the longest kept cache it begins with; rows that share an opening longer than theirs (the
-        system prompt and tools) read it once for all of them."""
-        import torch
-
+        system prompt and tools) read it once for all of them. With shared_prefix, that opening is the batch's
+        prefix, held once, and each source is the row after it (None where no opening is shared)."""
         sources = []
         for ids in rows:
             with self._lock:
                 entry, n = self.kept.best(ids) if self.kept.max_bytes else (None, 0)
             sources.append(Source(ids, n, entry.layers if entry is not None else None))
         shared = _common_prefix(rows)
-        if self.plain and len(rows) > 1 and shared >= SHARED_PREFIX_MIN and any(s.reuse < shared for s in sources):
-            cache = self.model(input_ids=torch.tensor([rows[0][:shared]], device=device), use_cache=True).cache
-            opening = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
-            self.stats.read_tokens += shared
+        if not (self.plain and len(rows) > 1 and shared >= SHARED_PREFIX_MIN):
+            return sources, None
+        if self.shared_prefix:
+            return self._after_prefix(sources, shared, device)
+        if any(s.reuse < shared for s in sources):
+            opening = self._read_opening(rows[0][:shared], device)
             for source in sources:
                 if source.reuse < shared:
                     source.reuse, source.layers = shared, opening
-        return sources
+        return sources, None
+
+    def _read_opening(self, ids: list[int], device) -> list[tuple]:
+        """The opening's keys and values per layer [kv_heads, len(ids), head_dim], read in one forward pass."""
+        import torch
+
+        cache = self.model(input_ids=torch.tensor([ids], device=device), use_cache=True).cache
+        self.stats.read_tokens += len(ids)
+        return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+
+    def _after_prefix(self, sources: list[Source], shared: int, device) -> tuple[list[Source], SharedPrefix]:
+        """The rows' opening as the batch's prefix (from a kept cache that holds it, else read once), and each row
+        after it: its kept cache's part past the opening, where it has one."""
+        holder = next((s for s in sources if s.reuse >= shared), None)
+        opening = ([(k[..., :shared, :], v[..., :shared, :]) for k, v in holder.layers] if holder is not None
+                   else self._read_opening(sources[0].ids[:shared], device))
+        prefix = SharedPrefix(list(sources[0].ids[:shared]), [(k[None], v[None]) for k, v in opening])
+        after = []
+        for source in sources:
+            own = source.reuse - shared
+            layers = [(k[..., shared:source.reuse, :], v[..., shared:source.reuse, :]) for k, v in source.layers
+                      ] if own > 0 else None
+            after.append(Source(source.ids[shared:], max(own, 0), layers))
+        return after, prefix
 
     def _constraints(self, tools: list[dict], sampling: Sampling, n_rows: int) -> list | None:
         """The rows' tool-call constraints (flywheel.policies.constrained) when sampling asks for them."""
