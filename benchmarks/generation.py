@@ -2,7 +2,8 @@
 next, against the same policy re-reading every turn whole, and against the old path (transformers' `generate`).
 
     .venv/bin/python benchmarks/generation.py [--smol] [--conversations 16] [--turns 5] [--repeats 2]
-                                              [--threads 2] [--precision fp32] [--student PATH] [--quick]
+                                              [--threads 2] [--precision fp32] [--student PATH]
+                                              [--copy-opening] [--quick]
 
 The prompts are the oracle's support conversations of 4 or more assistant turns (its tool calls, the tools'
 results), replayed turn by turn: at turn t every conversation that has a t-th assistant turn is one row of the
@@ -29,6 +30,9 @@ with its compact tool template (needs `make smol-setup`). Both are untrained on 
 untrained model writes (SmolLM2's base 43 tokens a turn here, 64 at most). `--student PATH`: a trained checkpoint
 of the pipeline's student instead (the sft or rl stage's model, or peer_rl.py's SFT student), whose turns end
 where its tool call or answer does, as in RL and evaluate. The last line is one JSON object.
+`--copy-opening`: the batch's shared opening (system prompt and tools) copied into every row's cache on the
+kept and reread sides, as before it was held once (flywheel.policies.shared_prefix; `prefix_rows` counts the rows
+read after one held once).
 `--quick`: 4 conversations, 2 turns of 8 tokens, one run each side.
 """
 
@@ -145,6 +149,8 @@ def main() -> None:
                         help="bf16: autocast, as support-smol's evaluate (same tokens then a share, not asserted)")
     parser.add_argument("--student", type=Path, help="a trained checkpoint of the pipeline's student (e.g. its "
                         "sft stage's model) instead of its untrained base")
+    parser.add_argument("--copy-opening", action="store_true", help="the shared opening copied into every row "
+                        "(HFPolicy(shared_prefix=False)), not held once for the batch")
     parser.add_argument("--quick", action="store_true", help="the same on tiny sizes (what the tests run)")
     args = parser.parse_args()
 
@@ -166,8 +172,10 @@ def main() -> None:
         model, tokenizer = student(cfg, args.smol, Path(tmp) / "tiny", args.student)
     model.eval()
     precision = args.precision
-    policies = {"kept": HFPolicy(model, tokenizer, batch_size=n, precision=precision),
-                "reread": HFPolicy(model, tokenizer, batch_size=n, precision=precision, kept_bytes=0)}
+    held = not args.copy_opening
+    policies = {"kept": HFPolicy(model, tokenizer, batch_size=n, precision=precision, shared_prefix=held),
+                "reread": HFPolicy(model, tokenizer, batch_size=n, precision=precision, kept_bytes=0,
+                                   shared_prefix=held)}
     best: dict[str, float] = {}
     written: dict[str, list[list[int]]] = {}
     order = ["kept", "reread", "generate"]
@@ -202,7 +210,7 @@ def main() -> None:
         "kept_read_share": round(stats.read_tokens / (stats.read_tokens + stats.reused_tokens), 3),
         "row_steps_share": round(stats.row_steps / stats.ridealong_row_steps, 3),
         "seconds": {side: round(s, 2) for side, s in best.items()}, "threads": args.threads,
-        "precision": precision,
+        "precision": precision, "shared_prefix": policies["kept"].shared_prefix, "prefix_rows": stats.prefix_rows,
     }
     print(json.dumps(result))
 

@@ -228,10 +228,15 @@ class HFPolicy:
     def _after_prefix(self, sources: list[Source], shared: int, device) -> tuple[list[Source], SharedPrefix]:
         """The rows' opening as the batch's prefix (from a kept cache that holds it, else read once), and each row
         after it: its kept cache's part past the opening, where it has one."""
+        import torch
+
         holder = next((s for s in sources if s.reuse >= shared), None)
         opening = ([(k[..., :shared, :], v[..., :shared, :]) for k, v in holder.layers] if holder is not None
                    else self._read_opening(sources[0].ids[:shared], device))
-        prefix = SharedPrefix(list(sources[0].ids[:shared]), [(k[None], v[None]) for k, v in opening])
+        # in the dtype attention reads it in (bf16 under autocast), once, not at every layer of every step
+        dtype = torch.bfloat16 if self.precision == "bf16" else opening[0][0].dtype
+        prefix = SharedPrefix(list(sources[0].ids[:shared]), [(k[None].to(dtype), v[None].to(dtype))
+                                                              for k, v in opening])
         after = []
         for source in sources:
             own = source.reuse - shared

@@ -14,7 +14,7 @@ only: it calls the CPU flash-attention kernel for the log-sum-exps (on a GPU, vL
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,9 +29,19 @@ class SharedPrefix:
 
     ids: list[int]
     layers: list[tuple[torch.Tensor, torch.Tensor]]
+    _additive: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def additive(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A boolean attention mask as the additive one the CPU kernel takes: made once per forward pass (every
+        layer is given the same mask) and kept for the next layers."""
+        made = self._additive
+        if made is None or made[0] is not mask or made[1].dtype != dtype:
+            made = (mask, torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf")))
+            self._additive = made
+        return made[1]
 
     def joined(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A row's own cache (per layer [kv_heads, n, head_dim]) with the opening before it: the row's whole cache."""
@@ -77,7 +87,8 @@ def shared_prefix_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     # the dtype SDPA would compute in: autocast's where it is on (the rotary embedding leaves the query in fp32)
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    prefix_keys, prefix_values = (t.to(dtype) for t in shared_prefix.layers[module.layer_idx])
+    prefix_keys, prefix_values = shared_prefix.layers[module.layer_idx]
+    prefix_keys, prefix_values = prefix_keys.to(dtype), prefix_values.to(dtype)  # no copy where made in dtype
     # the opening: every query of the batch in one pass over its single copy, per key/value head
     folded = query.reshape(batch, kv_heads, group * q_len, dim).transpose(0, 1).reshape(1, kv_heads, -1, dim)
     opening, opening_lse = flash(folded, prefix_keys, prefix_values, scale=scaling)[:2]
@@ -86,8 +97,7 @@ def shared_prefix_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     # the rows' own part, causal among the new tokens (the mask says so; without one, every key is visible to a
     # lone query, and new tokens see those before them)
     if attention_mask is not None and attention_mask.dtype == torch.bool:
-        attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(~attention_mask,
-                                                                                          float("-inf"))
+        attention_mask = shared_prefix.additive(attention_mask, dtype)
     if q_len == 1:  # a decode step: each key/value head's queries as its query rows, no copy of the cache
         own, own_lse = flash(query.reshape(batch, kv_heads, group, dim), key, value, attn_mask=attention_mask,
                              scale=scaling)[:2]
@@ -95,9 +105,8 @@ def shared_prefix_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     else:
         own, own_lse = flash(query, repeat_kv(key, group), repeat_kv(value, group),
                              is_causal=attention_mask is None, attn_mask=attention_mask, scale=scaling)[:2]
-    # softmax over both parts: each part's average weighted by its share of the total exp-sum
-    top = torch.maximum(opening_lse, own_lse)
-    w_opening, w_own = (opening_lse - top).exp(), (own_lse - top).exp()
-    own = torch.where(w_own[..., None] > 0, own.float(), 0.0)
-    out = (opening.float() * w_opening[..., None] + own * w_own[..., None]) / (w_opening + w_own)[..., None]
+    # softmax over both parts: the opening's share of the whole exp-sum is sigmoid(its lse - the row's), and the
+    # result is the two parts' averages mixed by it (a row always attends to its own last token: own_lse is finite)
+    share = torch.sigmoid(opening_lse - own_lse)[..., None]
+    out = torch.lerp(own.float(), opening.float(), share)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
