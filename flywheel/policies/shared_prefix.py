@@ -2,7 +2,8 @@
 and values held once for the batch instead of once per row.
 
 A decode step of a batch reads every row's cache whole: on a CPU, where that is bound by memory, a support-desk
-batch of 64 rows spent most of each step reading 64 copies of the same 306-token opening. Here the opening's keys
+batch of 64 rows (SmolLM2, bf16) spent about a third of each step in attention, reading 64 copies of the same
+306-token opening. Here the opening's keys
 and values are one row, which every query of the batch attends to in one pass (the batch folded into the query
 rows), and each row's own cache holds only what follows it; the two attentions are joined by their
 log-sum-exps, which is exactly softmax attention over both parts (up to rounding).
