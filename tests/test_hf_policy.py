@@ -7,6 +7,7 @@ from itertools import islice
 
 import pytest
 import torch
+from conftest import leaning_to_tool_calls
 
 from flywheel.agent import Harness, Limits
 from flywheel.checkpoints import load_student
@@ -154,10 +155,11 @@ def test_an_opening_every_row_shares_is_read_once_and_changes_no_turn(tiny_stude
 
 def test_an_episode_in_the_continuing_batch_is_reported_while_the_batch_decodes(tiny_student, env):
     """The hf policy runs whole episodes in one batch: the harness hears of each as its row ends (evaluate's
-    progress), not when the whole batch is done."""
+    progress), not when the whole batch is done. The student leans to tool calls and to its end token, so that its
+    rows end at different steps (the random one may write 24 tokens in every row and end them all at once)."""
     from flywheel.policies.hf import HFPolicy
 
-    policy = HFPolicy(tiny_student, batch_size=8)
+    policy = HFPolicy(*leaning_to_tool_calls(tiny_student, eos_bias=2.0), batch_size=8)
     steps_when_done = []
     Harness(env, Limits(max_turns=3)).run(policy, list(islice(env.generate_tasks(0), 8)),
                                           sampling=Sampling(temperature=1.0, max_new_tokens=24, seed=0),
