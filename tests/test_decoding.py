@@ -185,6 +185,34 @@ def test_draw_gives_each_token_its_probability():
         draw(torch.tensor([[0.5, float("nan")]]))
 
 
+def test_the_mask_made_here_gives_what_transformers_own_gives(tiny_student):
+    """decoding.attention_mask: under SDPA the 4-D mask made here reads left-holed rows (a prefill of several
+    tokens, then a decode step) exactly as transformers' own mask from the 2-D one; under another attention the
+    2-D mask is passed on for transformers to make the model's own."""
+    from flywheel.policies.decoding import attention_mask
+
+    model, _ = load_student(tiny_student)
+    model.eval()
+    ids = torch.randint(3, 300, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :4], mask[2, :1] = 0, 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        own = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        made = model(input_ids=ids, attention_mask=attention_mask(model, mask, 9, True), position_ids=positions,
+                     use_cache=True)
+        assert torch.equal(own.logits[mask.bool()], made.logits[mask.bool()])
+        step = torch.cat([mask, mask.new_ones(3, 1)], dim=1)
+        token, position = torch.tensor([[5], [6], [7]]), positions[:, -1:] + 1
+        own = model(input_ids=token, attention_mask=step, position_ids=position, cache=own.cache).logits
+        made = model(input_ids=token, attention_mask=attention_mask(model, step, 1, True), position_ids=position,
+                     cache=made.cache).logits
+        assert torch.equal(own, made)
+    assert attention_mask(model, mask, 9, False) is mask  # not a plain cache: transformers makes it
+    model.set_attn_implementation("eager")
+    assert attention_mask(model, mask, 9, True) is mask
+
+
 def test_changed_weights_drop_the_kept_caches(tiny_student, env):
     model, tokenizer = load_student(tiny_student)
     policy = HFPolicy(model, tokenizer)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from flywheel.policies.base import Sampling
-from flywheel.policies.decoding import COMPACT_SHARE, Decoded, DecodeStats, Source, prefill, sample_step
+from flywheel.policies.decoding import COMPACT_SHARE, Decoded, DecodeStats, Source, attention_mask, prefill, sample_step
 from flywheel.policies.shared_prefix import SharedPrefix
 
 # Rows are moved together (a copy of the live ones) once at most this share of the slots is live and nothing waits.
@@ -113,8 +113,8 @@ def decode_episodes(model, first: list[Source], constraints: list | None, sampli
         # or one just taken by a waiting conversation, attends to its pad alone, so that no row is all masked)
         free = torch.tensor([r is None for r in rows]) | (mask.sum(dim=1) == 0).cpu()
         mask = torch.cat([mask, (stepping | free).to(mask.dtype)[:, None].to(mask.device)], dim=1)
-        out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=position[:, None], cache=cache,
-                    use_cache=True, **shared)
+        out = model(input_ids=chosen[:, None], attention_mask=attention_mask(model, mask, 1, True),
+                    position_ids=position[:, None], cache=cache, use_cache=True, **shared)
         logits, cache = out.logits[:, -1], out.cache
         position = torch.where(stepping.to(position.device), position + 1, position)
         if going_on:
@@ -167,10 +167,7 @@ def _read_into_slots(model, cache, mask, position, logits, going_on, pad, device
     if need > width:
         grow = need - width + max(16, need // 4)
         for layer in cache.layers:
-            layer.keys = torch.cat([layer.keys.new_zeros((*layer.keys.shape[:2], grow, layer.keys.shape[-1])),
-                                    layer.keys], dim=2)
-            layer.values = torch.cat([layer.values.new_zeros((*layer.values.shape[:2], grow,
-                                                               layer.values.shape[-1])), layer.values], dim=2)
+            layer.widen(grow)
         mask = torch.cat([mask.new_zeros((mask.shape[0], grow)), mask], dim=1)
         width += grow
     logits = logits.clone()

@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from flywheel.policies.base import Sampling
+from flywheel.policies.shared_prefix import NAME as SHARED_PREFIX_ATTENTION
 from flywheel.policies.shared_prefix import SharedPrefix
 
 # Dropping the columns no remaining row attends to copies the cache: only when at least this share of it goes.
@@ -173,18 +174,52 @@ class GrowingLayer(DynamicLayer):
         length = self.keys.shape[-2] if self.keys.numel() else 0
         end = length + key_states.shape[-2]
         room = self.room
-        if (room is None or length == 0 or room[0].data_ptr() != self.keys.data_ptr()
-                or room[0].shape[0] != key_states.shape[0] or end > room[0].shape[-2]):
-            # a fresh buffer: the first write, rows or columns dropped (a copy already), or the room used up
+        # where the keys start in the buffer: 0, or further on where leading columns were dropped (a view still)
+        start = _column_in(room[0], self.keys) if room is not None and length else None
+        if start is None or room[0].shape[0] != key_states.shape[0] or start + end > room[0].shape[-2]:
+            # a fresh buffer: the first write, rows dropped or columns picked (a copy already), or the room used up
             shape = (*key_states.shape[:2], end + max(self.spare, end // 8), key_states.shape[-1])
             dtype = _stored_dtype(key_states)
-            room = (key_states.new_empty(shape, dtype=dtype), value_states.new_empty(shape, dtype=dtype))
+            room, start = (key_states.new_empty(shape, dtype=dtype), value_states.new_empty(shape, dtype=dtype)), 0
             if length:
                 room[0][:, :, :length], room[1][:, :, :length] = self.keys, self.values
             self.room = room
-        room[0][:, :, length:end], room[1][:, :, length:end] = key_states, value_states
-        self.keys, self.values = room[0][:, :, :end], room[1][:, :, :end]
+        room[0][:, :, start + length:start + end] = key_states
+        room[1][:, :, start + length:start + end] = value_states
+        self.keys, self.values = room[0][:, :, start:start + end], room[1][:, :, start:start + end]
         return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep these rows: picked from the buffers whole (one copy, the room after the keys kept), where
+        DynamicLayer's pick is copied again into a fresh buffer at the next write."""
+        start = _column_in(self.room[0], self.keys) if self.room is not None and self.keys.numel() else None
+        if start is None:
+            super().batch_select_indices(indices)
+            return
+        length = self.keys.shape[-2]
+        self.room = (self.room[0].index_select(0, indices), self.room[1].index_select(0, indices))
+        self.keys, self.values = (self.room[0][:, :, start:start + length], self.room[1][:, :, start:start + length])
+
+    def widen(self, columns: int) -> None:
+        """`columns` zero columns before the keys and values (a row longer than the cache is wide goes on in it),
+        in a fresh buffer that keeps room after them."""
+        rows, heads, length, dim = self.keys.shape
+        shape = (rows, heads, columns + length + max(self.spare, (columns + length) // 8), dim)
+        self.room = (self.keys.new_empty(shape), self.values.new_empty(shape))
+        for buffer, states in zip(self.room, (self.keys, self.values), strict=True):
+            buffer[:, :, :columns] = 0
+            buffer[:, :, columns:columns + length] = states
+        self.keys, self.values = self.room[0][:, :, :columns + length], self.room[1][:, :, :columns + length]
+
+
+def _column_in(buffer: torch.Tensor, view: torch.Tensor) -> int | None:
+    """The column of `buffer` where `view` begins, where `view` is buffer's columns from there on (the same memory,
+    rows and strides: what slicing off leading columns leaves); else None."""
+    if (view.stride() != buffer.stride() or view.shape[:2] != buffer.shape[:2]
+            or view.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()):
+        return None
+    column, rest = divmod(view.storage_offset() - buffer.storage_offset(), buffer.stride(2))
+    return column if rest == 0 and column >= 0 else None
 
 
 def _stored_dtype(states: torch.Tensor) -> torch.dtype:
@@ -247,8 +282,8 @@ def decode(model, sources: list[Source], sampling: Sampling, eos: int, pad: int,
             if plain:
                 mask = _compact(cache, mask)
         mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
-        out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=position[:, None], cache=cache,
-                    use_cache=True, **shared)
+        out = model(input_ids=chosen[:, None], attention_mask=attention_mask(model, mask, 1, plain),
+                    position_ids=position[:, None], cache=cache, use_cache=True, **shared)
         logits, cache, position = out.logits[:, -1], out.cache, position + 1
     stats.ridealong_row_steps += steps * len(sources)
     return results
@@ -291,7 +326,7 @@ def prefill(model, sources: list[Source], pad: int, device, stats: DecodeStats, 
         cache = DynamicCache()
         cache.layer_class_to_replicate = functools.partial(GrowingLayer, spare=spare)
         for keys, values in _kept_layers(sources, width_kept) if width_kept else []:
-            cache.layers.append(GrowingLayer(spare=spare))
+            cache.layers.append(GrowingLayer(spare=width_rest + spare))  # room for the rest read next
             cache.layers[-1].update(keys, values)
     else:  # sliding-window or linear layers: the model's own cache (and no kept caches: width_kept is 0)
         cache = DynamicCache(config=model.config)
@@ -301,9 +336,24 @@ def prefill(model, sources: list[Source], pad: int, device, stats: DecodeStats, 
     if prefix is not None:
         positions, shared = positions + len(prefix), {"shared_prefix": prefix}
         stats.prefix_rows += len(sources)
-    out = model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions, cache=cache,
-                use_cache=True, logits_to_keep=1, **shared)
+    out = model(input_ids=ids.to(device), attention_mask=attention_mask(model, mask, width_rest, plain),
+                position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1, **shared)
     return out.logits[:, -1], out.cache, mask, positions[:, -1] + 1
+
+
+def attention_mask(model, mask: torch.Tensor, new: int, plain: bool) -> torch.Tensor:
+    """The attention mask a forward pass over each row's last `new` columns is given. `mask` [rows, columns] is 1
+    where a row has a token; where the model attends with SDPA over a plain cache it is made here the 4-D boolean
+    mask SDPA takes ([rows, 1, new, columns], the new tokens causal among themselves), which transformers passes
+    on as it is; elsewhere (a sliding window, another kernel) `mask` itself, for transformers to make the model's
+    own. transformers' create_causal_mask made the same mask in ~12% of the tiny student's decode step."""
+    if not plain or getattr(model.config, "_attn_implementation", None) not in ("sdpa", SHARED_PREFIX_ATTENTION):
+        return mask
+    rows = mask.bool()[:, None, None, :]
+    if new == 1:
+        return rows
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    return rows & (columns[None, :] <= columns[-new:, None])
 
 
 def _kept_layers(sources: list[Source], width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
