@@ -213,6 +213,45 @@ def test_the_mask_made_here_gives_what_transformers_own_gives(tiny_student):
     assert attention_mask(model, mask, 9, True) is mask
 
 
+def test_a_growing_layer_writes_in_its_room_after_columns_or_rows_are_dropped():
+    """GrowingLayer: a decode step writes its token into the buffer's room, also after leading columns were
+    sliced off (continuing._trim) or rows picked (a batch that shrank); a widened layer has zero columns before
+    its keys and room after them. Each time the keys and values are what concatenating would give."""
+    from flywheel.policies.decoding import GrowingLayer
+
+    def states(rows, n):
+        return torch.randn(rows, 2, n, 4), torch.randn(rows, 2, n, 4)
+
+    layer = GrowingLayer(spare=8)
+    k0, v0 = states(3, 5)
+    layer.update(k0, v0)
+    buffer = layer.room[0]
+    layer.keys, layer.values = layer.keys[:, :, 2:], layer.values[:, :, 2:]  # leading columns dropped
+    k1, v1 = states(3, 1)
+    keys, values = layer.update(k1, v1)
+    assert layer.room[0] is buffer  # no copy
+    assert torch.equal(keys, torch.cat([k0[:, :, 2:], k1], dim=2))
+    assert torch.equal(values, torch.cat([v0[:, :, 2:], v1], dim=2))
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    buffer = layer.room[0]
+    k2, v2 = states(2, 1)
+    keys, values = layer.update(k2, v2)
+    assert layer.room[0] is buffer  # the picked rows kept their room
+    assert torch.equal(keys, torch.cat([k0[[2, 0], :, 2:], k1[[2, 0]], k2], dim=2))
+    assert torch.equal(values, torch.cat([v0[[2, 0], :, 2:], v1[[2, 0]], v2], dim=2))
+    layer.widen(3)
+    buffer = layer.room[0]
+    k3, v3 = states(2, 1)
+    keys, values = layer.update(k3, v3)
+    assert layer.room[0] is buffer
+    zeros = torch.zeros(2, 2, 3, 4)
+    assert torch.equal(keys, torch.cat([zeros, k0[[2, 0], :, 2:], k1[[2, 0]], k2, k3], dim=2))
+    assert torch.equal(values, torch.cat([zeros, v0[[2, 0], :, 2:], v1[[2, 0]], v2, v3], dim=2))
+    for _ in range(40):  # past the room: a fresh buffer, the same contents
+        keys, _ = layer.update(*states(2, 1))
+    assert keys.shape[2] == 3 + 3 + 1 + 1 + 1 + 40 and torch.equal(keys[:, :, :3], zeros)
+
+
 def test_changed_weights_drop_the_kept_caches(tiny_student, env):
     model, tokenizer = load_student(tiny_student)
     policy = HFPolicy(model, tokenizer)
