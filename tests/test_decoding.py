@@ -216,7 +216,8 @@ def test_the_mask_made_here_gives_what_transformers_own_gives(tiny_student):
 def test_a_growing_layer_writes_in_its_room_after_columns_or_rows_are_dropped():
     """GrowingLayer: a decode step writes its token into the buffer's room, also after leading columns were
     sliced off (continuing._trim) or rows picked (a batch that shrank); a widened layer has zero columns before
-    its keys and room after them. Each time the keys and values are what concatenating would give."""
+    its keys (in the buffer's room before them where it has enough, else in a fresh buffer with room before and
+    after them). Each time the keys and values are what concatenating would give."""
     from flywheel.policies.decoding import GrowingLayer
 
     def states(rows, n):
@@ -239,17 +240,21 @@ def test_a_growing_layer_writes_in_its_room_after_columns_or_rows_are_dropped():
     assert layer.room[0] is buffer  # the picked rows kept their room
     assert torch.equal(keys, torch.cat([k0[[2, 0], :, 2:], k1[[2, 0]], k2], dim=2))
     assert torch.equal(values, torch.cat([v0[[2, 0], :, 2:], v1[[2, 0]], v2], dim=2))
-    layer.widen(3)
+    layer.widen(2)  # into the two columns dropped before: no copy
+    assert layer.room[0] is buffer
+    layer.widen(3)  # more than the buffer has before the keys: a fresh one, with room before them too
     buffer = layer.room[0]
     k3, v3 = states(2, 1)
     keys, values = layer.update(k3, v3)
+    layer.widen(3)
     assert layer.room[0] is buffer
-    zeros = torch.zeros(2, 2, 3, 4)
+    zeros = torch.zeros(2, 2, 8, 4)
+    keys, values = layer.keys, layer.values
     assert torch.equal(keys, torch.cat([zeros, k0[[2, 0], :, 2:], k1[[2, 0]], k2, k3], dim=2))
     assert torch.equal(values, torch.cat([zeros, v0[[2, 0], :, 2:], v1[[2, 0]], v2, v3], dim=2))
     for _ in range(40):  # past the room: a fresh buffer, the same contents
         keys, _ = layer.update(*states(2, 1))
-    assert keys.shape[2] == 3 + 3 + 1 + 1 + 1 + 40 and torch.equal(keys[:, :, :3], zeros)
+    assert keys.shape[2] == 8 + 3 + 1 + 1 + 1 + 40 and torch.equal(keys[:, :, :8], zeros)
 
 
 def test_changed_weights_drop_the_kept_caches(tiny_student, env):

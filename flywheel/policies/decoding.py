@@ -201,15 +201,28 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = (self.room[0][:, :, start:start + length], self.room[1][:, :, start:start + length])
 
     def widen(self, columns: int) -> None:
-        """`columns` zero columns before the keys and values (a row longer than the cache is wide goes on in it),
-        in a fresh buffer that keeps room after them."""
+        """`columns` zero columns before the keys and values (a row longer than the cache is wide goes on in it):
+        in the buffer's room before the keys where it has that much (no copy), else in a fresh buffer with room
+        before them for as many again (conversations grow turn by turn) and after them."""
         rows, heads, length, dim = self.keys.shape
-        shape = (rows, heads, columns + length + max(self.spare, (columns + length) // 8), dim)
-        self.room = (self.keys.new_empty(shape), self.values.new_empty(shape))
-        for buffer, states in zip(self.room, (self.keys, self.values), strict=True):
-            buffer[:, :, :columns] = 0
-            buffer[:, :, columns:columns + length] = states
-        self.keys, self.values = self.room[0][:, :, :columns + length], self.room[1][:, :, :columns + length]
+        start = _column_in(self.room[0], self.keys) if self.room is not None else None
+        if start is None or start < columns:
+            ahead = max(columns, length // 4)
+            start = ahead + columns
+            shape = (rows, heads, start + length + max(self.spare, (columns + length) // 8), dim)
+            self.room = (self.keys.new_empty(shape), self.values.new_empty(shape))
+            self.room[0][:, :, start:start + length], self.room[1][:, :, start:start + length] = self.keys, self.values
+        begin, end = start - columns, start + length
+        for buffer in self.room:
+            buffer[:, :, begin:start] = 0
+        self.keys, self.values = self.room[0][:, :, begin:end], self.room[1][:, :, begin:end]
+
+    def hold(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> GrowingLayer:
+        """This layer with `keys` and `values` as its buffers, their first `length` columns its cache so far."""
+        self.lazy_initialization(keys, values)
+        self.room = (keys, values)
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        return self
 
 
 def _column_in(buffer: torch.Tensor, view: torch.Tensor) -> int | None:
@@ -325,9 +338,8 @@ def prefill(model, sources: list[Source], pad: int, device, stats: DecodeStats, 
     if plain:
         cache = DynamicCache()
         cache.layer_class_to_replicate = functools.partial(GrowingLayer, spare=spare)
-        for keys, values in _kept_layers(sources, width_kept) if width_kept else []:
-            cache.layers.append(GrowingLayer(spare=width_rest + spare))  # room for the rest read next
-            cache.layers[-1].update(keys, values)
+        if width_kept:  # with room for the rest, read next
+            cache.layers.extend(_kept_layers(sources, width_kept, width_rest + spare))
     else:  # sliding-window or linear layers: the model's own cache (and no kept caches: width_kept is 0)
         cache = DynamicCache(config=model.config)
     mask = mask.to(device)
@@ -356,19 +368,23 @@ def attention_mask(model, mask: torch.Tensor, new: int, plain: bool) -> torch.Te
     return rows & (columns[None, :] <= columns[-new:, None])
 
 
-def _kept_layers(sources: list[Source], width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The rows' kept caches side by side, each right-aligned in `width` columns (zeros where a row has none)."""
+def _kept_layers(sources: list[Source], width: int, room: int) -> list[GrowingLayer]:
+    """The rows' kept caches side by side, each right-aligned in the first `width` columns (zeros where a row has
+    none), in buffers with `room` columns after them."""
     some = next(s.layers for s in sources if s.reuse)
     layers = []
     for n, (k0, v0) in enumerate(some):
-        keys = k0.new_zeros((len(sources), k0.shape[-3], width, k0.shape[-1]))
-        values = v0.new_zeros((len(sources), v0.shape[-3], width, v0.shape[-1]))
+        dtype = _stored_dtype(k0)
+        keys = k0.new_empty((len(sources), k0.shape[-3], width + room, k0.shape[-1]), dtype=dtype)
+        values = v0.new_empty((len(sources), v0.shape[-3], width + room, v0.shape[-1]), dtype=dtype)
         for i, source in enumerate(sources):
+            hole = width - source.reuse
+            keys[i, :, :hole], values[i, :, :hole] = 0, 0
             if source.reuse:
                 k, v = source.layers[n]
-                keys[i, :, width - source.reuse:] = k[..., :source.reuse, :]
-                values[i, :, width - source.reuse:] = v[..., :source.reuse, :]
-        layers.append((keys, values))
+                keys[i, :, hole:width] = k[..., :source.reuse, :]
+                values[i, :, hole:width] = v[..., :source.reuse, :]
+        layers.append(GrowingLayer(spare=room).hold(keys, values, width))
     return layers
 
 
