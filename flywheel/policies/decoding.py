@@ -174,8 +174,7 @@ class GrowingLayer(DynamicLayer):
         length = self.keys.shape[-2] if self.keys.numel() else 0
         end = length + key_states.shape[-2]
         room = self.room
-        # where the keys start in the buffer: 0, or further on where leading columns were dropped (a view still)
-        start = _column_in(room[0], self.keys) if room is not None and length else None
+        start = self._start() if length else None
         if start is None or room[0].shape[0] != key_states.shape[0] or start + end > room[0].shape[-2]:
             # a fresh buffer: the first write, rows dropped or columns picked (a copy already), or the room used up
             shape = (*key_states.shape[:2], end + max(self.spare, end // 8), key_states.shape[-1])
@@ -192,7 +191,7 @@ class GrowingLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep these rows: picked from the buffers whole (one copy, the room after the keys kept), where
         DynamicLayer's pick is copied again into a fresh buffer at the next write."""
-        start = _column_in(self.room[0], self.keys) if self.room is not None and self.keys.numel() else None
+        start = self._start() if self.keys.numel() else None
         if start is None:
             super().batch_select_indices(indices)
             return
@@ -205,7 +204,7 @@ class GrowingLayer(DynamicLayer):
         in the buffer's room before the keys where it has that much (no copy), else in a fresh buffer with room
         before them for as many again (conversations grow turn by turn) and after them."""
         rows, heads, length, dim = self.keys.shape
-        start = _column_in(self.room[0], self.keys) if self.room is not None else None
+        start = self._start()
         if start is None or start < columns:
             ahead = max(columns, length // 4)
             start = ahead + columns
@@ -216,6 +215,11 @@ class GrowingLayer(DynamicLayer):
         for buffer in self.room:
             buffer[:, :, begin:start] = 0
         self.keys, self.values = self.room[0][:, :, begin:end], self.room[1][:, :, begin:end]
+
+    def _start(self) -> int | None:
+        """The buffer's column where the keys begin: 0, or further on where leading columns were dropped (a view
+        still); None where the keys are not a view of the buffer (no buffer yet, rows or columns picked)."""
+        return _column_in(self.room[0], self.keys) if self.room is not None else None
 
     def hold(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> GrowingLayer:
         """This layer with `keys` and `values` as its buffers, their first `length` columns its cache so far."""
