@@ -24,12 +24,12 @@ import json
 import os
 import random
 import resource
-import tempfile
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
 import yaml
+from _scratch import scratch  # benchmarks/ is the script's folder, first on sys.path
 
 from flywheel.envs.calculator import CalculatorEnv
 
@@ -103,7 +103,7 @@ def main() -> None:
     if args.quick:
         args.records = min(args.records, 2_000)
 
-    root = Path(tempfile.mkdtemp(prefix="bench-collect-"))
+    root = scratch("bench-collect-")
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     config = yaml.safe_load((ROOT / "pipelines.yaml").read_text())

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from collections import Counter
 from itertools import islice
 from pathlib import Path
 
+from _scratch import scratch  # benchmarks/ is the script's folder, first on sys.path
 from transformers.utils import logging as hf_logging
 
 from flywheel.agent import Harness, Limits
@@ -77,7 +77,7 @@ def main() -> None:
         update={"seed": args.seed})
     env = get_environment(pipeline.environment.name)
     seed, max_turns = pipeline.environment.seed, pipeline.environment.max_turns
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="demo-student-"))
+    workdir = scratch("demo-student-", args.workdir)
 
     train_tasks = list(islice(env.generate_tasks(seed), args.train))
     seen = {t.task_id for t in train_tasks}

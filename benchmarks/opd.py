@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import tempfile
 import time
 from itertools import islice
 from pathlib import Path
 
 import numpy as np
+from _scratch import scratch
 from rl_gain import by_slice, scores  # benchmarks/ is the script's folder, first on sys.path
 from transformers.utils import logging as hf_logging
 
@@ -187,7 +187,7 @@ def main() -> None:
     seen = {t.task_id for t in train}
     heldout = list(islice((t for t in env.generate_tasks(seed + 1_000_003) if t.task_id not in seen), n_heldout))
     corpus = environment_corpus(env, n=1000, seed=seed + 7)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="opd-"))
+    workdir = scratch("opd-", args.workdir)
     teacher = workdir / "teacher"
     if "opd" in args.arms:
         info = built(teacher, lambda f: build_teacher(f, pipeline, env, train, corpus, teacher_steps))

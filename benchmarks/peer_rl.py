@@ -63,11 +63,12 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from itertools import islice
 from pathlib import Path
+
+from _scratch import scratch  # benchmarks/ is the script's folder, first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("project", "trl")
@@ -420,7 +421,7 @@ def main() -> None:
     train = list(islice(env.generate_tasks(seed), args.train))
     seen = {t.task_id for t in train}
     heldout = list(islice((t for t in env.generate_tasks(seed + 1_000_003) if t.task_id not in seen), args.heldout))
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="peer-rl-"))
+    workdir = scratch("peer-rl-", args.workdir)
     tasks_per_step = args.tasks_per_step or pipeline.rl.tasks_per_step
     cfg = rl_config(pipeline, args.steps, tasks_per_step, args.sync)
 

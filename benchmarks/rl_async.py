@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import tempfile
 from pathlib import Path
+
+from _scratch import scratch  # benchmarks/ is the script's folder, first on sys.path
 
 from flywheel.agent import Harness, Limits
 from flywheel.config import RLConfig, TinyModelConfig
@@ -74,7 +75,7 @@ def main() -> None:
     if args.quick:
         args.steps, args.rounds = min(args.steps, 3), 1
 
-    work = Path(tempfile.mkdtemp(prefix="rl-async-"))
+    work = scratch("rl-async-")
     if args.student:
         student, env, max_turns = args.student, CalculatorEnv(), 4
     else:

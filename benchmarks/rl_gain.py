@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from itertools import islice
 from pathlib import Path
 
 import numpy as np
+from _scratch import scratch  # benchmarks/ is the script's folder, first on sys.path
 from transformers.utils import logging as hf_logging
 
 from flywheel.agent import Harness, Limits
@@ -120,7 +120,7 @@ def main() -> None:
     train = list(islice(env.generate_tasks(seed), n_train))
     seen = {t.task_id for t in train}
     heldout = list(islice((t for t in env.generate_tasks(seed + 1_000_003) if t.task_id not in seen), n_heldout))
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rl-gain-"))
+    workdir = scratch("rl-gain-", args.workdir)
 
     lines = []
     for s in args.seeds:

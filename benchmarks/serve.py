@@ -29,11 +29,12 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from pathlib import Path
+
+from _scratch import scratch  # benchmarks/ is the script's folder, first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM_UP = 4  # full-length requests on each side before timing: the first few take several times longer
@@ -108,7 +109,7 @@ def main() -> None:
     else:
         warm_up = WARM_UP
 
-    state = Path(tempfile.mkdtemp(prefix="flywheel-bench-serve-"))
+    state = scratch("flywheel-bench-serve-")
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{state / 'mlflow.db'}"
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     sys.path.insert(0, str(ROOT))

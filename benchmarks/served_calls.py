@@ -27,12 +27,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from itertools import cycle, islice
 from pathlib import Path
+
+from _scratch import scratch  # benchmarks/ is the script's folder, first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = 8
@@ -50,7 +51,7 @@ def main() -> None:
     requests = 40 if args.quick else args.requests
     max_tokens = args.max_tokens or (96 if args.smol else 48)
 
-    state = Path(tempfile.mkdtemp(prefix="flywheel-bench-calls-"))
+    state = scratch("flywheel-bench-calls-")
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{state / 'mlflow.db'}"
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     sys.path.insert(0, str(ROOT))

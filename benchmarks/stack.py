@@ -25,9 +25,10 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from _scratch import scratch  # benchmarks/ is the script's folder, first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -61,7 +62,7 @@ def main() -> None:
     from flows.deployments import free_port
     from flows.runlock import lock_path
 
-    work = Path(tempfile.mkdtemp(prefix="bench-stack-"))
+    work = scratch("bench-stack-")
     project = make_project(work / "project", work / "dvc-remote")
     pipeline = SMALL_PIPELINE + '    schedule: {cron: "* * * * *", timezone: UTC}\n'
     if args.quick:

@@ -118,12 +118,12 @@ def _gate_report(run_id: str) -> GateReport | None:
     """The gate report the evaluate run stored (gate.json); None when it stored none."""
     import mlflow.artifacts
 
-    try:
-        local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="gate.json",
-                                                    dst_path=tempfile.mkdtemp(prefix="flywheel-gate-"))
-    except (MlflowException, OSError):
-        return None
-    return GateReport.from_dict(json.loads(Path(local).read_text()))
+    with tempfile.TemporaryDirectory(prefix="flywheel-gate-") as folder:
+        try:
+            local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="gate.json", dst_path=folder)
+        except (MlflowException, OSError):
+            return None
+        return GateReport.from_dict(json.loads(Path(local).read_text()))
 
 
 def summary_table(rows: list[dict]) -> pd.DataFrame:

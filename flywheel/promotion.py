@@ -87,12 +87,13 @@ def stored_table(name: str, version: str) -> pd.DataFrame | None:
     mv = client().get_model_version(name, version)
     if not mv.run_id:
         return None
-    try:
-        local = mlflow.artifacts.download_artifacts(run_id=mv.run_id, artifact_path=EVAL_ARTIFACT,
-                                                    dst_path=tempfile.mkdtemp(prefix="flywheel-eval-"))
-    except (MlflowException, OSError):
-        return None
-    return pd.read_parquet(local)
+    with tempfile.TemporaryDirectory(prefix="flywheel-eval-") as folder:
+        try:
+            local = mlflow.artifacts.download_artifacts(run_id=mv.run_id, artifact_path=EVAL_ARTIFACT,
+                                                        dst_path=folder)
+        except (MlflowException, OSError):
+            return None
+        return pd.read_parquet(local)
 
 
 def eval_table(name: str, version: str) -> pd.DataFrame | None:

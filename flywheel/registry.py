@@ -226,15 +226,15 @@ def get_version(name: str, version: str) -> Version:
 CHECKPOINT = "checkpoint"
 
 
-def download(version: Version, dst: Path | None = None) -> Path:
-    """Fetch a version's checkpoint folder; loads with from_pretrained like any other.
+def download(version: Version, dst: Path) -> Path:
+    """Fetch a version's checkpoint folder into dst (the caller's to remove: a checkpoint is hundreds of MB); loads
+    with from_pretrained like any other.
 
     A version is an MLflow model (the checkpoint under its artifacts/) or, registered before the models were
     MLflow models, the checkpoint folder itself: both give the folder.
     """
     import mlflow.artifacts
 
-    dst = dst or Path(tempfile.mkdtemp(prefix=f"{version.name}-v{version.version}-"))
     gone = FileNotFoundError(
         f"model '{version.name}' version {version.version}: no files at {version.source}. MLflow keeps the "
         "absolute artifact location a version was registered with: if the project (or its .flywheel/) was moved "

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 
 from flywheel import registry
+from flywheel.agent import Harness
 from flywheel.checkpoints import same_weights, saved_chat_template
 from flywheel.config import PipelineConfig
 from flywheel.contract import Task, prompt_hash
@@ -18,7 +20,7 @@ from flywheel.data.tasksets import row_task
 from flywheel.evaluate.arms import Arm, checkpoint_arm, null_arm, reference_arm, score_arm
 from flywheel.evaluate.gate import BASELINES, GateDecision, decide
 from flywheel.evaluate.report import model_scores, reference_shares, slice_scores
-from flywheel.evaluate.runner import check_contamination, require_heldout, synthetic_prompt_hashes
+from flywheel.evaluate.runner import Scored, check_contamination, require_heldout, synthetic_prompt_hashes
 from flywheel.evaluate.traces import log_traces
 from flywheel.metrics import GATE_COST_SAVING, GATE_COST_SAVING_LOW, GATE_REFUSED, pass_rate_name, score_name
 from flywheel.stages import GateReport, StageResult
@@ -48,18 +50,9 @@ def evaluate(pipeline: str, root: str = ".", parent_run_id: str | None = None) -
         require_heldout(pipeline, catalog.read("tasks")["split"], catalog.table_path("tasks"))
         heldout = _heldout(catalog)
         candidate_hash = content_hash([catalog.model_dir("rl")], root_path)
-        arms, champion_version = _arms(cfg, catalog, pipeline, candidate_hash, root_path)
-        twins = _twins(cfg, catalog)
-        scored = {}
-        for arm in arms:
-            if arm.label in twins:  # the same weights and template as an arm already scored: the same episodes
-                twin = scored[twins[arm.label]]
-                scored[arm.label] = replace(twin, rows=[row | {"model": arm.label} for row in twin.rows])
-                print(f"      evaluate: {arm.label}: the {twins[arm.label]} checkpoint byte for byte (greedy): "
-                      f"its episodes", flush=True)
-                continue
-            scored[arm.label] = score_arm(arm, stage.harness, heldout, samples=cfg.evaluate.samples,
-                                          temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed)
+        with tempfile.TemporaryDirectory(prefix="flywheel-champion-") as downloads:  # while the arms are scored
+            arms, champion_version = _arms(cfg, catalog, pipeline, candidate_hash, root_path, Path(downloads))
+            scored = _score(arms, _twins(cfg, catalog), stage.harness, heldout, cfg)
         table = pd.DataFrame([row for s in scored.values() for row in s.rows], columns=list(Eval.to_schema().columns))
         catalog.write("eval", table)
 
@@ -119,14 +112,14 @@ def _heldout(catalog: Catalog) -> list[Task]:
     return heldout
 
 
-def _arms(cfg: PipelineConfig, catalog: Catalog, pipeline: str, candidate_hash: str,
-          root: Path) -> tuple[list[Arm], str | None]:
-    """What to score: the null policy, base, SFT and RL, the champion unless it is the candidate, the references;
-    and the champion's version when it is scored."""
+def _arms(cfg: PipelineConfig, catalog: Catalog, pipeline: str, candidate_hash: str, root: Path,
+          downloads: Path) -> tuple[list[Arm], str | None]:
+    """What to score: the null policy, base, SFT and RL, the champion unless it is the candidate (its checkpoint
+    downloaded into `downloads`), the references; and the champion's version when it is scored."""
     models = {"base": catalog.base_model(), "sft": catalog.model_dir("sft"), "rl": catalog.model_dir("rl")}
     champion = registry.get_alias(pipeline, "champion")
     if champion is not None and champion.model_hash != candidate_hash:
-        models["champion"] = registry.download(champion)
+        models["champion"] = registry.download(champion, downloads)
     templates = _templates(catalog)
     prices = (cfg.evaluate.student_price_input_per_mtok, cfg.evaluate.student_price_output_per_mtok)
     students = [checkpoint_arm(label, path, batch_size=cfg.evaluate.batch_size, device=cfg.student.device,
@@ -134,6 +127,22 @@ def _arms(cfg: PipelineConfig, catalog: Catalog, pipeline: str, candidate_hash: 
                 for label, path in models.items()]
     references = [reference_arm(r, root, cfg.evaluate.batch_size) for r in cfg.evaluate.references]
     return [null_arm(), *students, *references], champion.version if "champion" in models else None
+
+
+def _score(arms: list[Arm], twins: dict[str, str], harness: Harness, heldout: list[Task],
+           cfg: PipelineConfig) -> dict[str, Scored]:
+    """Each arm's episodes on the held-out tasks; an arm with a twin (`_twins`) takes its twin's episodes."""
+    scored = {}
+    for arm in arms:
+        if arm.label in twins:  # the same weights and template as an arm already scored: the same episodes
+            twin = scored[twins[arm.label]]
+            scored[arm.label] = replace(twin, rows=[row | {"model": arm.label} for row in twin.rows])
+            print(f"      evaluate: {arm.label}: the {twins[arm.label]} checkpoint byte for byte (greedy): "
+                  f"its episodes", flush=True)
+            continue
+        scored[arm.label] = score_arm(arm, harness, heldout, samples=cfg.evaluate.samples,
+                                      temperature=cfg.evaluate.temperature, seed=cfg.evaluate.seed)
+    return scored
 
 
 def _twins(cfg: PipelineConfig, catalog: Catalog) -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import atexit
 import functools
 import os
 import shutil
@@ -28,6 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Before anything imports Prefect or MLflow: keep their state out of the user's home and out of the repo.
 _STATE = Path(tempfile.mkdtemp(prefix="flywheel-tests-"))
+atexit.register(shutil.rmtree, _STATE, True)  # when this process (the session or an xdist worker) ends
 os.environ["PREFECT_HOME"] = str(_STATE / "prefect")
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_STATE / "prefect-results")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
@@ -209,6 +211,7 @@ def _dvc_template() -> Path:
     """A folder where `dvc init` and `dvc remote add -d local` ran, once a process: a project copies its .dvc/ with
     the remote's URL replaced (two DVC processes for each of some forty projects were 40 CPU-seconds of the suite)."""
     root = Path(tempfile.mkdtemp(prefix="flywheel-dvc-template-"))
+    atexit.register(shutil.rmtree, root, True)
     _run(["git", "init", "-q"], root)
     _run([sys.executable, "-m", "dvc", "init", "-q"], root)
     _run([sys.executable, "-m", "dvc", "remote", "add", "-d", "local", str(_TEMPLATE_REMOTE)], root)

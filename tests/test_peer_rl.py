@@ -1,12 +1,15 @@
 """The peer benchmark gives TRL's rollouts the prompt the project's harness gives: the same tools in the same order."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _peer_rl():
+    if str(ROOT / "benchmarks") not in sys.path:  # as when run as a script: its folder first, for its helpers
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("peer_rl", ROOT / "benchmarks" / "peer_rl.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from itertools import islice
 from pathlib import Path
@@ -79,7 +80,7 @@ def _prompt(seed: int = 3) -> list[dict]:
     return next(CalculatorEnv().generate_tasks(seed)).prompt
 
 
-def test_pyfunc_loads_the_champion_and_answers_with_parsed_tool_calls(uri):
+def test_pyfunc_loads_the_champion_and_answers_with_parsed_tool_calls(uri, tmp_path):
     import mlflow
 
     from flywheel import registry
@@ -93,7 +94,7 @@ def test_pyfunc_loads_the_champion_and_answers_with_parsed_tool_calls(uri):
     message = answer["choices"][0]["message"]
     assert answer["choices"][0]["finish_reason"] == "tool_calls"
     # the harness's own parser on the same checkpoint's greedy text gives the same call
-    checkpoint = registry.download(registry.get_alias(NAME, "champion"))
+    checkpoint = registry.download(registry.get_alias(NAME, "champion"), tmp_path / "champion")
     expected = HFPolicy(checkpoint, device="cpu").generate([_prompt()], tools, Sampling(max_new_tokens=48))[0]
     assert [c["function"] for c in message["tool_calls"]] == [c["function"] for c in expected.message["tool_calls"]]
     assert message["tool_calls"][0]["function"]["name"] == "calculator"
@@ -103,7 +104,7 @@ def test_pyfunc_loads_the_champion_and_answers_with_parsed_tool_calls(uri):
     assert [c["function"] for c in streamed] == [c["function"] for c in message["tool_calls"]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # the registered version carries a chat-messages input example with tools, and the student's template
-    folder = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1"))
+    folder = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1", dst_path=str(tmp_path / "v1")))
     example = json.loads((folder / "input_example.json").read_text())
     assert example["messages"][0]["role"] == "user" and example["tools"][0]["function"]["name"] == "calculator"
     assert (checkpoint / "chat_template.jinja").exists()
@@ -124,8 +125,34 @@ def test_versions_registered_as_plain_folders_still_download_and_promote(uri, ti
     run.end()
     outcome = promotion.promote(old, "1", GateConfig(), force=True)
     assert outcome.promoted and registry.get_alias(old, "champion").version == "1"
-    assert (registry.download(registry.get_alias(old, "champion")) / "config.json").exists()
+    assert (registry.download(registry.get_alias(old, "champion"), tmp_path / "dl") / "config.json").exists()
     assert pipeline_status(old).aliases[0].version == "1"
+
+
+def test_a_served_or_scored_version_leaves_no_download_behind(uri, tmp_path, monkeypatch):
+    """serve-model loads each version it serves, and `flywheel eval --policy models:/...` each version it scores,
+    from a download of the checkpoint (half a GB for SmolLM2): the download goes once the model is loaded, and
+    what was loaded still answers."""
+    from flywheel.evaluate.arms import spec_arm
+    from flywheel.policies.base import Sampling
+    from flywheel.serving.chat import parse_request
+    from flywheel.serving.server import AliasFollower
+
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))  # where tempfile puts what it makes, as TMPDIR would
+    follower = AliasFollower(NAME, device="cpu")
+    loaded = follower.start()
+    assert list(temporary.iterdir()) == []
+    request = parse_request({"model": NAME, "messages": _prompt(), "tools": CalculatorEnv().tools(),
+                             "temperature": 0.0, "max_tokens": 24})
+    assert loaded.answer(request, NAME)["choices"][0]["message"]["role"] == "assistant"
+
+    arm = spec_arm(f"models:/{NAME}@champion", NAME, tmp_path, batch_size=2, device="cpu", endpoint={},
+                   prices=(0.0, 0.0))
+    policy = arm.make()
+    assert list(temporary.iterdir()) == []
+    assert policy.generate([_prompt()], CalculatorEnv().tools(), Sampling(max_new_tokens=8))[0].message
 
 
 def test_openai_client_gets_tool_calls_n_choices_and_a_stream(server):

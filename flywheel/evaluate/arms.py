@@ -8,6 +8,7 @@ its tasks are counted unanswered and its row is marked incomplete; nothing else 
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +121,10 @@ def spec_arm(spec: str, pipeline: str, root: Path, *, batch_size: int, device: s
         version = _registered(body, pipeline)
 
         def make() -> Policy:
-            return get_policy("hf", model_or_path=registry.download(version), batch_size=batch_size, device=device)
+            with tempfile.TemporaryDirectory(prefix=f"flywheel-arm-{version.name}-v{version.version}-") as folder:
+                # the hf policy reads the checkpoint whole when made: the download goes once it is loaded
+                return get_policy("hf", model_or_path=registry.download(version, Path(folder)), batch_size=batch_size,
+                                  device=device)
 
         alias = body.rpartition("@")[2] if "@" in body else f"v{version.version}"
         return Arm(label or (alias if body.startswith("@") else _label(f"{version.name}.{alias}")), make,

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -130,8 +131,10 @@ class AliasFollower:
                 log.error(self.last_error)
 
     def _load(self, version: registry.Version) -> Loaded:
-        checkpoint = registry.download(version)
-        engine = ChatEngine.from_checkpoint(checkpoint, self.backend, self.device, self.constrained)
+        # both backends read the checkpoint whole when the engine is made: the download goes once it is loaded
+        with tempfile.TemporaryDirectory(prefix=f"flywheel-serve-{version.name}-v{version.version}-") as folder:
+            checkpoint = registry.download(version, Path(folder))
+            engine = ChatEngine.from_checkpoint(checkpoint, self.backend, self.device, self.constrained)
         return Loaded(version, engine, Batcher(engine, self.max_batch, self.window_s))
 
 
