@@ -218,7 +218,9 @@ def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_kille
                 assert time.monotonic() < deadline, (f"the victim run never reached an SFT checkpoint within 240 s "
                                                      f"({state.name}; lock record: {held!r})")
                 time.sleep(0.5)
-            pid = json.loads(record.read_text())["pid"]
+            # the record the loop read: its holder rewrites it in place (truncate, write), so a second read may find
+            # it empty, as one did in a CI run
+            pid = json.loads(held)["pid"]
             for name in ("worker-0", "worker-1"):
                 os.killpg(recorded.pids[name], signal.SIGKILL)
             os.kill(pid, signal.SIGKILL)
@@ -238,10 +240,10 @@ def test_the_stack_runs_a_schedule_survives_a_database_restart_and_marks_a_kille
             recorded = stack.load(project)
             pair = [run_deployment("retrain/small", parameters={"refresh": True}, timeout=0) for _ in range(2)]
             deadline = time.monotonic() + 240
-            while not any(str(r.id) in (record.read_text() if record.exists() else "") for r in pair):
+            while not any(str(r.id) in (held := record.read_text() if record.exists() else "") for r in pair):
                 assert time.monotonic() < deadline, "neither run took the lock"
                 time.sleep(0.2)
-            [holder] = [r for r in pair if str(r.id) in record.read_text()]
+            [holder] = [r for r in pair if str(r.id) in held]
             [other] = [r for r in pair if r.id != holder.id]
             refused = _final(client, other.id, timeout_s=240)
             assert refused.state.type == StateType.FAILED, refused.state
